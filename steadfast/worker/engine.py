@@ -1,0 +1,163 @@
+"""The engine: `step()` is schedule → execute → update. No sockets, no threads: the process loop
+(worker/main.py) or a test drives it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from steadfast.config import Config
+from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.block_manager import BlockManager
+from steadfast.model.gguf_loader import LlamaConfig, load_weights, open_gguf, read_config
+from steadfast.model.llama import LlamaModel
+from steadfast.model.tokenizer import GGUFTokenizer
+from steadfast.protocol import AddRequest, RequestOutput
+from steadfast.worker.detokenizer import Detokenizer
+from steadfast.worker.request import Request, Status
+from steadfast.worker.runner import ModelRunner
+from steadfast.worker.sampler import sample
+from steadfast.worker.scheduler import ScheduledStep, Scheduler
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model_cfg: LlamaConfig
+    model: LlamaModel
+    tokenizer: GGUFTokenizer
+    max_model_len: int
+
+
+def max_model_len(cfg: Config, model_cfg: LlamaConfig) -> int:
+    return min(cfg.model.max_model_len or model_cfg.context_length, model_cfg.context_length)
+
+
+def arena_spec(cfg: Config, model_cfg: LlamaConfig) -> ArenaSpec:
+    c = cfg.cache
+    if c.num_blocks:
+        return ArenaSpec(c.num_blocks, model_cfg.num_layers, c.block_size, model_cfg.num_kv_heads,
+                         model_cfg.head_dim, cfg.model.dtype)
+    return ArenaSpec.for_memory(c.kv_memory_mb << 20, model_cfg.num_layers, c.block_size, model_cfg.num_kv_heads,
+                                model_cfg.head_dim, cfg.model.dtype)
+
+
+def load_model(cfg: Config) -> LoadedModel:
+    reader = open_gguf(cfg.model.resolved_path)
+    model_cfg = read_config(reader)
+    limit = max_model_len(cfg, model_cfg)
+    weights = load_weights(reader, model_cfg, DTYPES[cfg.model.dtype])
+    model = LlamaModel(model_cfg, weights, DTYPES[cfg.model.dtype], max_positions=limit)
+    return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
+
+
+class Engine:
+    def __init__(self, cfg: Config, loaded: LoadedModel, arena: KVArena) -> None:
+        self.cfg = cfg
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.arena = arena
+        self.blocks = BlockManager(arena.spec.num_blocks, arena.spec.block_size, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks)
+        self.runner = ModelRunner(loaded.model, arena, self.blocks)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside a step (rejections)
+        self.steps = 0
+        self.generated_tokens = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._pending)
+
+    def add_request(self, msg: AddRequest) -> None:
+        if msg.request_id in self.requests:
+            self._reject(msg, f"request id {msg.request_id} is already in flight")
+            return
+        total = len(msg.prompt_ids) + msg.params.max_tokens
+        if not msg.prompt_ids or len(msg.prompt_ids) >= self.max_model_len:
+            self._reject(msg, f"prompt of {len(msg.prompt_ids)} tokens does not fit the context of {self.max_model_len}")
+            return
+        if self.blocks.blocks_needed(min(total, self.max_model_len)) > self.blocks.num_blocks:
+            self._reject(msg, f"request needs more KV blocks than this worker has ({self.blocks.num_blocks})")
+            return
+        request = Request(msg.request_id, msg.prompt_ids, msg.params, msg.priority)
+        self.requests[msg.request_id] = request
+        self._detok[msg.request_id] = Detokenizer(self.tokenizer, msg.prompt_ids, msg.params.stop)
+        self.scheduler.add(request)
+
+    def _reject(self, msg: AddRequest, why: str) -> None:
+        self._pending.append(RequestOutput(msg.request_id, [], finish_reason="error", error=why,
+                                           num_prompt_tokens=len(msg.prompt_ids)))
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.remove(request_id) is not None:
+            self._finish(self.requests[request_id], "abort")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+        self._detok.pop(request.request_id, None)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if scheduled.empty:
+            return outputs
+        logits, samplers = self.runner.execute(scheduled)
+        self._advance(scheduled)
+        tokens = sample(logits, [r.params for r in samplers], [len(r.output_ids) for r in samplers])
+        for request, token in zip(samplers, tokens, strict=True):
+            outputs.append(self._append(request, token))
+        self.steps += 1
+        return outputs
+
+    def _advance(self, scheduled: ScheduledStep) -> None:
+        for request in scheduled.decodes:
+            request.num_computed += 1
+            self.blocks.commit(request.request_id, request.all_ids, request.num_computed)
+        for request, n in scheduled.prefills:
+            request.num_computed += n
+            self.blocks.commit(request.request_id, request.all_ids, request.num_computed)
+
+    def _append(self, request: Request, token: int) -> RequestOutput:
+        request.output_ids.append(token)
+        self.generated_tokens += 1
+        p = request.params
+        detok = self._detok[request.request_id]
+        reason = None
+        if detok.add(token):
+            reason = "stop"
+        elif (not p.ignore_eos and token in self.tokenizer.info.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif len(request.output_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        text = detok.take(final=reason is not None)
+        out = RequestOutput(
+            request.request_id, [token], text, reason,
+            num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached,
+        )
+        if reason is not None:
+            self.scheduler.remove(request.request_id)
+            self._finish(request, reason)
+        return out
+
+    def generate(self, requests: list[AddRequest]) -> dict[str, list[RequestOutput]]:
+        """Run requests to completion in this process (tests, `steadfast generate`)."""
+        for r in requests:
+            self.add_request(r)
+        results: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        t0 = time.perf_counter()
+        while self.has_work:
+            for out in self.step():
+                results[out.request_id].append(out)
+        log.debug("generate: %d steps in %.2fs", self.steps, time.perf_counter() - t0)
+        return results

@@ -1,0 +1,51 @@
+"""One request's state inside a worker: its tokens, how many have KV, and how it ends."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from steadfast.protocol import SamplingParams
+
+_arrival = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 1) -> None:
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.arrival = next(_arrival)  # FIFO order among equal priorities, kept across preemption
+        self.status = Status.WAITING
+        self.num_computed = 0  # tokens whose KV is in the arena
+        self.num_cached = 0  # prompt tokens found in the prefix cache at first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens that need KV computed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id}, {self.status.value}, computed={self.num_computed}/{self.num_tokens})"

@@ -1,0 +1,79 @@
+"""Model runner: turns a scheduled step into the model's flat batch and returns logits to sample."""
+
+from __future__ import annotations
+
+import torch
+
+from steadfast.kv.arena import KVArena
+from steadfast.kv.block_manager import BlockManager
+from steadfast.model.llama import AttentionBatch, LlamaModel, PrefillChunk
+from steadfast.worker.request import Request
+from steadfast.worker.scheduler import ScheduledStep
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, arena: KVArena, blocks: BlockManager) -> None:
+        self.model = model
+        self.arena = arena
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+
+    def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
+        """Run the step; return logits `[rows, vocab]` and the request each row samples for."""
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        samplers: list[Request] = []
+        sample_rows: list[int] = []
+
+        tables = []
+        context_lens = []
+        for request in step.decodes:
+            pos = request.num_computed
+            table = self.blocks.block_table(request.request_id)
+            tokens.append(request.all_ids[pos])
+            positions.append(pos)
+            slot_blocks.append(table[pos // bs])
+            slot_offsets.append(pos % bs)
+            tables.append(table)
+            context_lens.append(pos + 1)
+            sample_rows.append(len(tokens) - 1)
+            samplers.append(request)
+
+        decode_tables = decode_mask = None
+        if tables:
+            width = max(len(t) for t in tables)
+            decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            lens = torch.tensor(context_lens)
+            decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).view(len(tables), 1, 1, -1)
+
+        chunks = []
+        for request, n in step.prefills:
+            start, pos0 = len(tokens), request.num_computed
+            table = self.blocks.block_table(request.request_id)
+            ids = request.all_ids
+            for pos in range(pos0, pos0 + n):
+                tokens.append(ids[pos])
+                positions.append(pos)
+                slot_blocks.append(table[pos // bs])
+                slot_offsets.append(pos % bs)
+            context = pos0 + n
+            chunks.append(PrefillChunk(start, n, context, torch.tensor(table[: -(-context // bs)])))
+            if context == request.num_tokens:  # prompt fully computed: its last row yields a token
+                sample_rows.append(len(tokens) - 1)
+                samplers.append(request)
+
+        batch = AttentionBatch(
+            slot_blocks=torch.tensor(slot_blocks),
+            slot_offsets=torch.tensor(slot_offsets),
+            num_decode=len(step.decodes),
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=chunks,
+        )
+        logits = self.model.forward(
+            torch.tensor(tokens), torch.tensor(positions), batch, self.arena, torch.tensor(sample_rows, dtype=torch.long)
+        )
+        return logits, samplers

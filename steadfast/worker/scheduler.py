@@ -1,0 +1,122 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Each step has a token budget. Running requests go first, highest priority first: a decode takes one
+token, an unfinished prefill takes a chunk. Waiting requests are then admitted by (priority, arrival)
+into what budget and KV room are left, reusing cached prefix blocks. When a running request needs a
+block and none is free, the lowest-priority, latest-arrived running request not yet scheduled this
+step is preempted: its blocks are freed and it waits to be recomputed (its output tokens are kept).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from steadfast.config import SchedulerConfig
+from steadfast.kv.block_manager import BlockManager
+from steadfast.worker.request import Request, Status
+
+
+@dataclass
+class ScheduledStep:
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager) -> None:
+        self.cfg = cfg
+        self.blocks = blocks
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
+        self._waiting_ids: dict[str, Request] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_ids)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self._waiting_ids)
+
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        self._waiting_ids[request.request_id] = request
+        heapq.heappush(self._waiting, (request.sort_key, request))
+
+    def remove(self, request_id: str) -> Request | None:
+        """Take a request out wherever it is (abort or finish) and free its blocks."""
+        request = self._waiting_ids.pop(request_id, None)
+        if request is None:
+            for r in self.running:
+                if r.request_id == request_id:
+                    request = r
+                    self.running.remove(r)
+                    break
+        if request is not None:
+            self.blocks.free(request_id)
+        return request
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        self.add(request)
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: set[str] = set()
+        for request in sorted(self.running, key=lambda r: r.sort_key):
+            if request.status is not Status.RUNNING or budget <= 0:
+                continue
+            n = min(request.num_pending, self.cfg.max_prefill_chunk, budget)
+            while self.blocks.allocate(request.request_id, request.num_computed + n) is None:
+                victims = [r for r in self.running if r.request_id not in scheduled]
+                victim = max(victims, key=lambda r: r.sort_key)
+                self._preempt(victim)
+                step.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING:
+                continue
+            scheduled.add(request.request_id)
+            budget -= n
+            if request.num_pending == 1:
+                step.decodes.append(request)
+            else:
+                step.prefills.append((request, n))
+
+        while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            _, request = self._waiting[0]
+            if request.request_id not in self._waiting_ids or request.status is not Status.WAITING:
+                heapq.heappop(self._waiting)  # stale entry of a removed request
+                continue
+            hits = self.blocks.match_prefix(request.all_ids)
+            cached = len(hits) * self.blocks.block_size
+            n = min(request.num_tokens - cached, self.cfg.max_prefill_chunk, budget)
+            if self.blocks.allocate(request.request_id, cached + n, prefix=hits) is None:
+                break
+            heapq.heappop(self._waiting)
+            del self._waiting_ids[request.request_id]
+            if request.num_preemptions == 0:
+                request.num_cached = cached
+            request.num_computed = cached
+            request.status = Status.RUNNING
+            self.running.append(request)
+            budget -= n
+            if request.num_pending == 1:
+                step.decodes.append(request)
+            else:
+                step.prefills.append((request, n))
+        return step
