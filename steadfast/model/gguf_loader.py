@@ -101,15 +101,11 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (adjacent RoPE pairs → halves of each head)."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def load_weights(reader: gguf.GGUFReader, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor by its GGUF name, dequantized, Q/K un-permuted, in `dtype` (norms stay fp32)."""
+    """Every tensor by its GGUF name, dequantized, Q/K un-permuted, in `dtype`."""
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         array = _dequantize(tensor)
@@ -118,8 +114,7 @@ def load_weights(reader: gguf.GGUFReader, cfg: LlamaConfig, dtype: torch.dtype) 
             array = unpermute_qk(array, cfg.num_heads)
         elif name.endswith("attn_k.weight"):
             array = unpermute_qk(array, cfg.num_kv_heads)
-        keep_fp32 = name.endswith("norm.weight")
-        weights[name] = torch.from_numpy(np.ascontiguousarray(array)).to(torch.float32 if keep_fp32 else dtype)
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(dtype)
     if "token_embd.weight" not in weights:
         raise ModelLoadError("GGUF has no token_embd.weight")
     for i in range(cfg.num_layers):

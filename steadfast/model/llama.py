@@ -79,7 +79,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, arena: KVArena,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        arena: KVArena,
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Run the flat batch; return fp32 logits `[len(sample_rows), vocab]` for the rows to sample."""

@@ -66,7 +66,10 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokeni
     split = _SPLITS.get(pre or "")
     if split:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -121,8 +124,11 @@ class GGUFTokenizer:
             raise ModelLoadError("GGUF has no tokenizer.ggml.tokens")
         types = list(field_value(reader, "tokenizer.ggml.token_type") or [])
         if kind == "gpt2":
-            tok = _byte_level(tokens, list(field_value(reader, "tokenizer.ggml.merges") or []),
-                              field_value(reader, "tokenizer.ggml.pre"))
+            tok = _byte_level(
+                tokens,
+                list(field_value(reader, "tokenizer.ggml.merges") or []),
+                field_value(reader, "tokenizer.ggml.pre"),
+            )
             add_bos_default = False
         elif kind == "llama":
             scores = list(field_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
@@ -130,10 +136,14 @@ class GGUFTokenizer:
             add_bos_default = True
         else:
             raise ModelLoadError(f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)")
-        control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False)
-                   if ty == CONTROL]
-        user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=False)
-                if ty == USER_DEFINED]
+        control = [
+            AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == CONTROL
+        ]
+        user = [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types, strict=False)
+            if ty == USER_DEFINED
+        ]
         if control:
             tok.add_special_tokens(control)
         if user:

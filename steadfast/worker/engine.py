@@ -43,10 +43,22 @@ def max_model_len(cfg: Config, model_cfg: LlamaConfig) -> int:
 def arena_spec(cfg: Config, model_cfg: LlamaConfig) -> ArenaSpec:
     c = cfg.cache
     if c.num_blocks:
-        return ArenaSpec(c.num_blocks, model_cfg.num_layers, c.block_size, model_cfg.num_kv_heads,
-                         model_cfg.head_dim, cfg.model.dtype)
-    return ArenaSpec.for_memory(c.kv_memory_mb << 20, model_cfg.num_layers, c.block_size, model_cfg.num_kv_heads,
-                                model_cfg.head_dim, cfg.model.dtype)
+        return ArenaSpec(
+            c.num_blocks,
+            model_cfg.num_layers,
+            c.block_size,
+            model_cfg.num_kv_heads,
+            model_cfg.head_dim,
+            cfg.model.dtype,
+        )
+    return ArenaSpec.for_memory(
+        c.kv_memory_mb << 20,
+        model_cfg.num_layers,
+        c.block_size,
+        model_cfg.num_kv_heads,
+        model_cfg.head_dim,
+        cfg.model.dtype,
+    )
 
 
 def load_model(cfg: Config) -> LoadedModel:
@@ -83,7 +95,9 @@ class Engine:
             return
         total = len(msg.prompt_ids) + msg.params.max_tokens
         if not msg.prompt_ids or len(msg.prompt_ids) >= self.max_model_len:
-            self._reject(msg, f"prompt of {len(msg.prompt_ids)} tokens does not fit the context of {self.max_model_len}")
+            self._reject(
+                msg, f"prompt of {len(msg.prompt_ids)} tokens does not fit the context of {self.max_model_len}"
+            )
             return
         if self.blocks.blocks_needed(min(total, self.max_model_len)) > self.blocks.num_blocks:
             self._reject(msg, f"request needs more KV blocks than this worker has ({self.blocks.num_blocks})")
@@ -94,8 +108,9 @@ class Engine:
         self.scheduler.add(request)
 
     def _reject(self, msg: AddRequest, why: str) -> None:
-        self._pending.append(RequestOutput(msg.request_id, [], finish_reason="error", error=why,
-                                           num_prompt_tokens=len(msg.prompt_ids)))
+        self._pending.append(
+            RequestOutput(msg.request_id, [], finish_reason="error", error=why, num_prompt_tokens=len(msg.prompt_ids))
+        )
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.remove(request_id) is not None:
@@ -142,8 +157,12 @@ class Engine:
             reason = "length"
         text = detok.take(final=reason is not None)
         out = RequestOutput(
-            request.request_id, [token], text, reason,
-            num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached,
+            request.request_id,
+            [token],
+            text,
+            reason,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_cached_tokens=request.num_cached,
         )
         if reason is not None:
             self.scheduler.remove(request.request_id)

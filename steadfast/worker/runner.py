@@ -74,6 +74,10 @@ class ModelRunner:
             prefills=chunks,
         )
         logits = self.model.forward(
-            torch.tensor(tokens), torch.tensor(positions), batch, self.arena, torch.tensor(sample_rows, dtype=torch.long)
+            torch.tensor(tokens),
+            torch.tensor(positions),
+            batch,
+            self.arena,
+            torch.tensor(sample_rows, dtype=torch.long),
         )
         return logits, samplers

@@ -1,0 +1,69 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` with a fitting status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _describe(errors: list[Any]) -> tuple[str, str | None]:
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return "We could not parse the JSON body of your request: it is not valid JSON.", None
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    msg = first.get("msg", "invalid value")
+    return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    if not errors:
+        return APIError("Invalid request.").response()
+    message, param = _describe(errors)
+    # A body that is not a JSON object at all is malformed, not merely invalid.
+    return APIError(message, 400, param=param, code="invalid_json" if param is None else None).response()
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(str(exc.detail), exc.status_code, type_=type_).response()

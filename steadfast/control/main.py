@@ -1,0 +1,62 @@
+"""The router process: loads the tokenizer, connects to the workers, serves HTTP with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+
+import uvicorn
+
+from steadfast.config import config_from_dict
+from steadfast.control.api import ServingContext, create_app
+from steadfast.control.engine_client import EngineClient
+from steadfast.control.metrics import Metrics
+from steadfast.ipc import die_with_parent, setup_logging
+from steadfast.model.gguf_loader import open_gguf, read_config
+from steadfast.model.tokenizer import GGUFTokenizer
+from steadfast.worker.engine import max_model_len
+
+log = logging.getLogger("steadfast.router")
+
+
+async def serve(cfg_json: str, workers: list[str], output: str) -> None:
+    cfg = config_from_dict(json.loads(cfg_json))
+    reader = open_gguf(cfg.model.resolved_path)
+    model_cfg = read_config(reader)
+    client = EngineClient(workers, output, cfg.server.status_interval_s)
+    await client.start()
+    ctx = ServingContext(
+        client=client,
+        tokenizer=GGUFTokenizer.from_gguf(reader),
+        model_name=cfg.model.name,
+        max_model_len=max_model_len(cfg, model_cfg),
+        block_size=cfg.cache.block_size,
+        metrics=Metrics(),
+    )
+    app = create_app(ctx)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=cfg.server.host, port=cfg.server.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    )
+    try:
+        await server.serve()
+    finally:
+        await client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Steadfast router process")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--worker", action="append", required=True, help="a worker's input address (repeat)")
+    parser.add_argument("--output", required=True, help="address to bind for worker outputs")
+    args = parser.parse_args()
+    die_with_parent()
+    setup_logging("router")
+    asyncio.run(serve(args.config_json, args.worker, args.output))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Prometheus metrics of the router: latency histograms, load gauges and token counters."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "steadfast_time_to_first_token_seconds",
+            "Time from request arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "steadfast_time_per_output_token_seconds",
+            "Time between successive output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "steadfast_e2e_request_latency_seconds",
+            "Request latency from arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter("steadfast_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.rejected = Counter("steadfast_rejected_requests", "Requests refused with an error", ["status"], registry=r)
+        self.prompt_tokens = Counter("steadfast_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("steadfast_generation_tokens", "Tokens generated", registry=r)
+        self.tokens_per_second = Gauge(
+            "steadfast_generation_tokens_per_second", "Output tokens per second over the last 10 s", registry=r
+        )
+        self.running = Gauge("steadfast_num_requests_running", "Requests being computed", ["worker"], registry=r)
+        self.waiting = Gauge("steadfast_num_requests_waiting", "Requests queued in a worker", ["worker"], registry=r)
+        self.queue_depth = Gauge(
+            "steadfast_queue_depth", "Requests waiting for their first token (all workers)", registry=r
+        )
+        self.kv_used = Gauge("steadfast_kv_blocks_used", "KV blocks in use", ["worker"], registry=r)
+        self.kv_free = Gauge("steadfast_kv_blocks_free", "KV blocks free", ["worker"], registry=r)
+        self.worker_up = Gauge("steadfast_worker_up", "1 if the worker is ready", ["worker"], registry=r)
+        self._window: deque[tuple[float, int]] = deque()
+        self.queue_depth.set_function(lambda: self._awaiting_first)
+        self.tokens_per_second.set_function(self._rate)
+        self._awaiting_first = 0
+
+    def request_started(self) -> None:
+        self._awaiting_first += 1
+
+    def first_token(self, seconds: float) -> None:
+        self._awaiting_first -= 1
+        self.ttft.observe(seconds)
+
+    def request_ended_before_first_token(self) -> None:
+        self._awaiting_first -= 1
+
+    def tokens(self, count: int) -> None:
+        self.generation_tokens.inc(count)
+        now = time.monotonic()
+        self._window.append((now, count))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._window and now - self._window[0][0] > 10.0:
+            self._window.popleft()
+
+    def _rate(self) -> float:
+        self._trim(time.monotonic())
+        return sum(c for _, c in self._window) / 10.0

@@ -1,0 +1,125 @@
+"""Request bodies of the OpenAI-compatible API, validated strictly (a string is not a number).
+
+Fields OpenAI defines that Steadfast does not implement are accepted only at their neutral value; any
+other value is a 400 naming the field, never silently ignored. Extensions: `top_k`, `priority`,
+`ignore_eos`, `stop_token_ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+Number = StrictFloat | StrictInt
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    temperature: Annotated[Number, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    seed: StrictInt | None = None
+    priority: Literal["high", "normal", "low"] = "normal"
+    ignore_eos: StrictBool = False
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    logit_bias: dict[str, Any] | None = None
+    user: StrictStr | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, why) for the first feature asked for that is not implemented."""
+        if self.n != 1:
+            return "n", "only n=1 is supported"
+        if self.presence_penalty != 0 or self.frequency_penalty != 0:
+            param = "presence_penalty" if self.presence_penalty != 0 else "frequency_penalty"
+            return param, "presence and frequency penalties are not supported; leave them at 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        return None
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        return super().unsupported()
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format", "only the text response format is supported"
+        return super().unsupported()
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,66 @@
+"""Process plumbing shared by every Steadfast process: typed ZeroMQ queues and parent-death notice."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from steadfast import protocol
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies, so no orphan keeps serving."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            logging.getLogger(__name__).warning("prctl unavailable: children may outlive the supervisor")
+    if os.getppid() == 1:  # the parent is already gone
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("STEADFAST_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+
+
+class WorkerInbox:
+    """The worker's end of router → worker messages (PULL, bound by the worker)."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.bind(address)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.sock.poll(timeout_ms))
+
+    def drain(self) -> list[protocol.AddRequest | protocol.AbortRequest]:
+        messages = []
+        while True:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            messages.append(protocol.decode_to_worker(data))
+
+
+class WorkerOutbox:
+    """The worker's end of worker → router messages (PUSH, connected to the router)."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(address)
+
+    def send(self, message: msgspec.Struct) -> None:
+        self.sock.send(protocol.encode(message))

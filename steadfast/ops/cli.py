@@ -1,0 +1,116 @@
+"""The `steadfast` command: `serve` runs the server, `generate` prints one completion in-process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from steadfast.config import Config, ConfigError, load_config
+from steadfast.ipc import setup_logging
+
+
+def _config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, dict[str, object]] = {"model": {}, "server": {}}
+    if args.model:
+        overrides["model"]["path"] = args.model
+    if args.dtype:
+        overrides["model"]["dtype"] = args.dtype
+    if getattr(args, "port", None) is not None:
+        overrides["server"]["port"] = args.port
+    if getattr(args, "host", None):
+        overrides["server"]["host"] = args.host
+    if getattr(args, "workers", None):
+        overrides["server"]["workers"] = args.workers
+    cfg = load_config(args.config, overrides)
+    cfg.model.resolved_path  # noqa: B018 - fail now, with a clear message, if there is no model
+    return cfg
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from steadfast.ops.launcher import Launcher, StartupError
+
+    cfg = _config(args)
+    launcher = Launcher(cfg)
+    try:
+        t0 = time.perf_counter()
+        launcher.start()
+        print(
+            f"Steadfast serving {cfg.model.name} at {launcher.url}/v1 (ready in {time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
+        return launcher.wait()
+    except StartupError as exc:
+        print(f"steadfast: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        launcher.stop()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import random
+
+    from steadfast.kv.arena import KVArena
+    from steadfast.protocol import AddRequest, SamplingParams
+    from steadfast.worker.engine import Engine, arena_spec, load_model
+
+    cfg = _config(args).replace(cache={"kv_memory_mb": 256})
+    loaded = load_model(cfg)
+    with tempfile.TemporaryDirectory(dir=cfg.cache.arena_dir) as tmp:
+        arena = KVArena.create(str(Path(tmp) / "generate.kv"), arena_spec(cfg, loaded.model_cfg))
+        engine = Engine(cfg, loaded, arena)
+        tok = loaded.tokenizer
+        ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
+        seed = args.seed if args.seed is not None else random.getrandbits(63)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
+        engine.add_request(AddRequest("generate", ids, params))
+        while engine.has_work:
+            for out in engine.step():
+                if out.error:
+                    print(f"steadfast: {out.error}", file=sys.stderr)
+                    return 1
+                print(out.text, end="", flush=True)
+        print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="steadfast", description="An LLM server that keeps serving through failure")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="path of a llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
+        p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights and KV dtype")
+        p.add_argument("--config", help="YAML config file")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    common(serve)
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--host")
+    serve.add_argument("--workers", type=int, help="number of worker processes")
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="print one completion, computed in this process")
+    common(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    setup_logging("steadfast")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"steadfast: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

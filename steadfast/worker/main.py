@@ -1,0 +1,133 @@
+"""The worker process: a busy loop around one Engine.
+
+Drain inputs (block only when idle) → step → emit outputs, plus a status report every interval.
+A failure inside a step fails the requests of that step with an error output instead of dropping them;
+SIGTERM stops the loop after the current step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import time
+
+import torch
+import zmq
+
+from steadfast.config import Config, config_from_dict, torch_threads
+from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
+from steadfast.kv.arena import KVArena
+from steadfast.protocol import AbortRequest, AddRequest, RequestOutput, StepOutputs, WorkerStatus
+from steadfast.worker.engine import Engine, load_model
+
+log = logging.getLogger("steadfast.worker")
+
+
+class WorkerLoop:
+    def __init__(self, cfg: Config, worker_id: int, inbox: WorkerInbox, outbox: WorkerOutbox, role: str) -> None:
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.inbox = inbox
+        self.outbox = outbox
+        self.role = role
+        self.engine: Engine | None = None
+        self.stopping = False
+        self._last_status = 0.0
+
+    def status(self, state: str) -> WorkerStatus:
+        e = self.engine
+        if e is None:
+            return WorkerStatus(self.worker_id, os.getpid(), self.role, state)
+        b = e.blocks
+        return WorkerStatus(
+            self.worker_id,
+            os.getpid(),
+            self.role,
+            state,
+            kv_blocks_total=b.num_blocks,
+            kv_blocks_used=b.num_used,
+            num_running=len(e.scheduler.running),
+            num_waiting=e.scheduler.num_waiting,
+            prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
+        )
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_status >= self.cfg.server.status_interval_s:
+            self._last_status = now
+            self.outbox.send(self.status("stopping" if self.stopping else "ready"))
+
+    def run(self, engine: Engine) -> None:
+        self.engine = engine
+        self._report(force=True)
+        interval_ms = int(self.cfg.server.status_interval_s * 1000)
+        while not self.stopping:
+            if self.inbox.poll(0 if engine.has_work else interval_ms):
+                for msg in self.inbox.drain():
+                    if isinstance(msg, AddRequest):
+                        engine.add_request(msg)
+                    elif isinstance(msg, AbortRequest):
+                        for request_id in msg.request_ids:
+                            engine.abort(request_id)
+            if engine.has_work:
+                outputs = self._step(engine)
+                if outputs:
+                    self.outbox.send(StepOutputs(self.worker_id, outputs))
+            self._report()
+        self._report(force=True)
+
+    def _step(self, engine: Engine) -> list[RequestOutput]:
+        try:
+            return engine.step()
+        except Exception as exc:  # a bug must not strand requests: fail them loudly, keep serving
+            log.exception("engine step failed; failing the requests in flight")
+            failed = []
+            for request_id in list(engine.requests):
+                engine.abort(request_id)
+                failed.append(RequestOutput(request_id, [], finish_reason="error", error=f"engine error: {exc}"))
+            return failed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Steadfast worker process")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--worker-id", type=int, required=True)
+    parser.add_argument("--input", required=True, help="ZeroMQ address this worker binds for requests")
+    parser.add_argument("--output", required=True, help="ZeroMQ address of the router's output socket")
+    parser.add_argument("--arena", required=True, help="path of the KV arena to map")
+    parser.add_argument("--role", default="mixed")
+    args = parser.parse_args()
+    die_with_parent()
+    setup_logging(f"worker{args.worker_id}")
+    cfg = config_from_dict(json.loads(args.config_json))
+    torch.set_num_threads(cfg.server.threads_per_worker or torch_threads())
+
+    ctx = zmq.Context()
+    outbox = WorkerOutbox(ctx, args.output)
+    inbox = WorkerInbox(ctx, args.input)
+    loop = WorkerLoop(cfg, args.worker_id, inbox, outbox, args.role)
+
+    def on_term(signum: int, frame: object) -> None:
+        loop.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    outbox.send(loop.status("loading"))
+    t0 = time.perf_counter()
+    loaded = load_model(cfg)
+    engine = Engine(cfg, loaded, KVArena.attach(args.arena))
+    log.info(
+        "ready in %.1fs: %d KV blocks of %d tokens",
+        time.perf_counter() - t0,
+        engine.blocks.num_blocks,
+        engine.blocks.block_size,
+    )
+    loop.run(engine)
+    ctx.destroy(linger=1000)
+
+
+if __name__ == "__main__":
+    main()
