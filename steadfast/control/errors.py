@@ -35,9 +35,17 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# Names pydantic puts in an error's location for the member of a union that failed, not a field.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _describe(errors: list[Any]) -> tuple[str, str | None]:
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [
+        str(p)
+        for p in first.get("loc", ())
+        if p != "body" and (isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
+    ]
     param = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from steadfast.config import Config, ConfigError, load_config
 from steadfast.ipc import setup_logging
+from steadfast.model.gguf_loader import ModelLoadError
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except ConfigError as exc:
         print(f"steadfast: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except ModelLoadError as exc:
+        print(f"steadfast: cannot load the model: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,84 @@
+"""Shared fixtures: the default model, an fp32 engine, the transformers reference, arenas."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from steadfast.config import Config, default_model_path
+from steadfast.kv.arena import KVArena
+from steadfast.worker.engine import Engine, LoadedModel, arena_spec, load_model
+
+# Eight chat prompts of different lengths and kinds (the correctness set).
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "Once upon a time in a land far away, there lived a",
+    "Explain quantum computing in simple terms to a ten year old who loves football and pizza.",
+    "Hi",
+    "The quick brown fox jumps over the lazy dog. " * 3 + "What animal jumped?",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def fp32_config() -> Config:
+    return Config().replace(model={"dtype": "float32"}, cache={"num_blocks": 512})
+
+
+@pytest.fixture(scope="session")
+def fp32_model(fp32_config: Config) -> LoadedModel:
+    return load_model(fp32_config)
+
+
+@pytest.fixture
+def make_arena() -> Iterator:
+    made: list[KVArena] = []
+
+    def make(cfg: Config, loaded: LoadedModel) -> KVArena:
+        arena = KVArena.create(
+            f"/dev/shm/steadfast-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv", arena_spec(cfg, loaded.model_cfg)
+        )
+        made.append(arena)
+        return arena
+
+    yield make
+    for arena in made:
+        arena.unlink()
+
+
+@pytest.fixture
+def make_engine(make_arena) -> Iterator:
+    def make(cfg: Config, loaded: LoadedModel) -> Engine:
+        return Engine(cfg, loaded, make_arena(cfg, loaded))
+
+    yield make
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path: str):
+    transformers = pytest.importorskip("transformers")
+    path = Path(model_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path: str):
+    transformers = pytest.importorskip("transformers")
+    path = Path(model_path)
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

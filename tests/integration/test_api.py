@@ -1,0 +1,290 @@
+"""The OpenAI-compatible API of a real server process, through the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.server import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(tmp_path_factory.mktemp("api"))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def workers(server):
+    return httpx.get(server.url + "/admin/workers").json()
+
+
+def wait_idle(server, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w = workers(server)[0]
+        if w["kv_blocks_used"] == 0 and w["running"] == 0 and w["in_flight"] == 0:
+            return w
+        time.sleep(0.1)
+    raise AssertionError(f"worker still busy: {workers(server)}")
+
+
+def test_models_health_admin(server, model):
+    assert model == "SmolLM2-135M-Instruct.Q4_1"
+    h = httpx.get(server.url + "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    (w,) = workers(server)
+    assert w["role"] == "mixed" and w["state"] == "ready" and w["pid"] > 0 and w["kv_blocks_total"] > 0
+
+
+def test_chat_non_stream_and_stream_agree(client, model):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+    text = full.choices[0].message.content
+    assert "Paris" in text
+    assert full.usage.prompt_tokens > 10 and 0 < full.usage.completion_tokens <= 20
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_stream_non_stream_and_token_prompt(client, model):
+    full = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model,
+            prompt="The capital of France is",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert streamed == full.choices[0].text
+    by_ids = client.completions.create(model=model, prompt=[504, 3575, 282, 4649, 314], max_tokens=5, temperature=0)
+    assert by_ids.usage.prompt_tokens == 5
+
+
+def test_stop_strings_seed_and_priority(client, model):
+    out = client.completions.create(
+        model=model,
+        prompt="Count: 1, 2, 3, 4, 5,",
+        max_tokens=30,
+        temperature=0,
+        stop=[" 8"],
+        extra_body={"priority": "high"},
+    )
+    assert out.choices[0].finish_reason == "stop" and " 8" not in out.choices[0].text
+    assert "7" in out.choices[0].text
+    kw = dict(model=model, prompt="A short poem about rain:", max_tokens=16, temperature=1.0, seed=7)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+BAD = [
+    ("malformed json", "/v1/chat/completions", b'{"model": "m", "messages": [', 400, None),
+    ("body not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("missing messages", "/v1/chat/completions", {"model": "MODEL"}, 400, "messages"),
+    ("empty messages", "/v1/chat/completions", {"model": "MODEL", "messages": []}, 400, "messages"),
+    (
+        "message without role",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
+    ("missing prompt", "/v1/completions", {"model": "MODEL"}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", {"model": "MODEL", "prompt": ""}, 400, "prompt"),
+    ("empty token prompt", "/v1/completions", {"model": "MODEL", "prompt": []}, 400, "prompt"),
+    ("token id out of vocab", "/v1/completions", {"model": "MODEL", "prompt": [1, 999999]}, 400, "prompt"),
+    (
+        "max_tokens a string",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "max_tokens": "ten"},
+        400,
+        "max_tokens",
+    ),
+    (
+        "temperature a string",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "temperature": "hot"},
+        400,
+        "temperature",
+    ),
+    ("stream not a bool", "/v1/completions", {"model": "MODEL", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("messages not a list", "/v1/chat/completions", {"model": "MODEL", "messages": "hi"}, 400, "messages"),
+    ("max_tokens zero", "/v1/completions", {"model": "MODEL", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "max_tokens beyond context",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "max_tokens": 100000},
+        400,
+        "max_tokens",
+    ),
+    (
+        "prompt beyond context",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": [17] * 9000, "max_tokens": 1},
+        400,
+        "prompt",
+    ),
+    (
+        "unknown model",
+        "/v1/chat/completions",
+        {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "model",
+    ),
+    (
+        "temperature too high",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "temperature": 2.5},
+        400,
+        "temperature",
+    ),
+    ("top_p zero", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("n above one", "/v1/completions", {"model": "MODEL", "prompt": "x", "n": 2}, 400, "n"),
+    ("bad priority", "/v1/completions", {"model": "MODEL", "prompt": "x", "priority": "urgent"}, 400, "priority"),
+    ("too many stops", "/v1/completions", {"model": "MODEL", "prompt": "x", "stop": list("abcde")}, 400, "stop"),
+    (
+        "penalty asked",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "presence_penalty": 1.0},
+        400,
+        "presence_penalty",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error(server, model, name, path, body, status, param):
+    if isinstance(body, dict):
+        body = json.dumps(body).replace("MODEL", model).encode()
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_server_keeps_serving_after_bad_input(client, model):
+    out = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_openai_client_raises_typed_errors(client, model):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=0)
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, model):
+    body = {
+        "model": model,
+        "prompt": "Tell me everything about the history of Rome.",
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    got = 0
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+            if got == 5:
+                break
+        busy = workers(server)[0]
+        assert busy["running"] == 1 and busy["kv_blocks_used"] > 0
+    w = wait_idle(server)
+    assert w["kv_blocks_used"] == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'steadfast_requests_total{finish_reason="abort"}' in metrics
+
+
+def test_client_gone_before_non_stream_answer_aborts(server, model):
+    body = {"model": model, "prompt": "Write a long essay.", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    wait_idle(server)
+
+
+def test_concurrent_streams_all_complete(server, model):
+    import concurrent.futures as cf
+
+    def one(i):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        chunks = list(
+            c.completions.create(
+                model=model,
+                prompt=f"Story number {i}:",
+                max_tokens=10 + i,
+                temperature=0.8,
+                seed=i,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+        return i, chunks[-1].usage.completion_tokens
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = dict(pool.map(one, range(8)))
+    assert results == {i: 10 + i for i in range(8)}
+    wait_idle(server)
+
+
+def test_metrics_expose_latency_and_load(server):
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "steadfast_time_to_first_token_seconds_bucket",
+        "steadfast_time_per_output_token_seconds_bucket",
+        "steadfast_queue_depth",
+        "steadfast_num_requests_running",
+        "steadfast_num_requests_waiting",
+        "steadfast_kv_blocks_used",
+        "steadfast_kv_blocks_free",
+        "steadfast_generation_tokens_per_second",
+    ):
+        assert name in text, name

@@ -1,0 +1,118 @@
+"""Block manager: exact block ids, refcounts, prefix-cache hits and eviction order."""
+
+from __future__ import annotations
+
+import pytest
+
+from steadfast.kv.block_manager import BlockManager
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+
+
+def toks(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_allocate_takes_lowest_free_ids_in_order():
+    bm = BlockManager(8, BS)
+    assert bm.allocate("a", 9) == [0, 1, 2]
+    assert bm.allocate("b", 4) == [3]
+    assert bm.block_table("a") == [0, 1, 2]
+    assert [b.ref_count for b in bm.blocks] == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert bm.allocate("a", 13) == [4]  # grows by one block
+    assert bm.allocate("a", 13) == []  # already covered
+    assert bm.num_free == 3
+    bm.check_integrity()
+
+
+def test_no_room_returns_none_and_changes_nothing():
+    bm = BlockManager(4, BS)
+    assert bm.allocate("a", 12) == [0, 1, 2]
+    assert bm.allocate("b", 8) is None
+    assert bm.block_table("b") == []
+    assert bm.num_free == 1
+    bm.check_integrity()
+
+
+def test_prefix_hit_shares_blocks_and_counts_refs():
+    bm = BlockManager(8, BS)
+    prompt = toks(100, 10)  # two full blocks + 2 tokens
+    bm.allocate("a", 10)
+    bm.commit("a", prompt, 10)
+    hits = bm.match_prefix(prompt + [7, 8])
+    assert hits == [0, 1]
+    assert bm.allocate("b", 12, prefix=hits) == [3]
+    assert bm.block_table("b") == [0, 1, 3]
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    bm.check_integrity()
+
+
+def test_prefix_match_leaves_last_token_and_checks_chain():
+    bm = BlockManager(8, BS)
+    prompt = toks(0, 8)
+    bm.allocate("a", 8)
+    bm.commit("a", prompt, 8)
+    # Exactly two full blocks: the last one is not a hit, so one token is left to compute.
+    assert bm.match_prefix(prompt) == [0]
+    # Same second block after a different first block: the chained hash does not match.
+    assert bm.match_prefix([9, 9, 9, 9] + prompt[4:] + [1]) == []
+
+
+def test_freed_cached_blocks_stay_findable_until_reused():
+    bm = BlockManager(4, BS)
+    prompt = toks(0, 9)
+    bm.allocate("a", 9)
+    bm.commit("a", prompt, 9)
+    bm.free("a")
+    assert bm.num_free == 4
+    assert bm.match_prefix(prompt) == [0, 1]
+    # Unhashed block 2 goes first, then the never-used block 3, then cached blocks tail-first: 1, then 0.
+    assert bm.allocate("x", 4) == [2]
+    assert bm.allocate("y", 4) == [3]
+    assert bm.allocate("z", 4) == [1]
+    assert bm.match_prefix(prompt) == [0]  # block 1 was evicted, block 0 is still cached
+    assert [e.kind for e in bm.events] == ["stored", "stored", "removed"]
+    bm.check_integrity()
+
+
+def test_free_is_tail_first_for_eviction():
+    bm = BlockManager(6, BS)
+    prompt = toks(0, 13)
+    bm.allocate("a", 13)
+    bm.commit("a", prompt, 13)  # blocks 0,1,2 hashed; 3 partial
+    bm.free("a")
+    # Free order: the partial block is handed out first, then the untouched 4,5, then 2, 1, 0.
+    taken = [bm.allocate(f"r{i}", 4)[0] for i in range(6)]
+    assert taken == [3, 4, 5, 2, 1, 0]
+
+
+def test_shared_block_is_freed_only_when_last_reference_drops():
+    bm = BlockManager(6, BS)
+    prompt = toks(0, 9)
+    bm.allocate("a", 9)
+    bm.commit("a", prompt, 9)
+    bm.allocate("b", 9, prefix=bm.match_prefix(prompt))
+    bm.free("a")
+    assert [bm.blocks[i].ref_count for i in (0, 1)] == [1, 1]
+    assert bm.num_free == 6 - 3  # b holds 0, 1 and its own third block
+    bm.free("b")
+    assert bm.num_free == 6
+    bm.check_integrity()
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(6, BS, enable_prefix_caching=False)
+    prompt = toks(0, 9)
+    bm.allocate("a", 9)
+    bm.commit("a", prompt, 9)
+    assert bm.match_prefix(prompt) == []
+
+
+def test_integrity_check_catches_a_broken_refcount():
+    bm = BlockManager(4, BS)
+    bm.allocate("a", 4)
+    bm.blocks[0].ref_count = 2
+    with pytest.raises(AssertionError):
+        bm.check_integrity()
