@@ -3,10 +3,12 @@
 The arena is a file (in /dev/shm by default) mapped MAP_SHARED, so any process on the node that knows
 its path can map the same bytes: the engine that fills blocks is not the owner of the memory.
 
-Physical layout: `[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]`.
-A block is one contiguous unit holding K and V of every layer (what a transfer or an adoption moves),
-and inside a layer tokens are rows of `[num_kv_heads, head_dim]`, so gathering a request's blocks gives
-`[tokens, kv_heads, head_dim]` and attention reads it through a transposed view, never a permute copy.
+Physical layout: `[num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]`.
+A block id names the same slot in every (layer, K/V, head) plane, so a block holds K and V of every
+layer; its bytes are `num_layers * 2 * num_kv_heads` strips of `block_size * head_dim`. The layout is
+chosen for attention: one `index_select` over a request batch's block ids yields
+`[kv_heads, requests, tokens, head_dim]`, exactly what a batched matmul with the queries wants, with
+no permute copy of K or V.
 
 This module never decides who owns a block: that is the block manager's (and later the pool's) job.
 """
@@ -14,7 +16,6 @@ This module never decides who owns a block: that is the block manager's (and lat
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,11 +40,11 @@ class ArenaSpec:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
 
     @property
     def block_numel(self) -> int:
-        return math.prod(self.shape[1:])
+        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
 
     @property
     def block_bytes(self) -> int:
@@ -71,7 +72,7 @@ class KVArena:
     def __init__(self, path: str, spec: ArenaSpec, tensor: torch.Tensor) -> None:
         self.path = path
         self.spec = spec
-        # tensor: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+        # tensor: [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
         self.tensor = tensor
 
     @classmethod
@@ -99,11 +100,12 @@ class KVArena:
         return cls(path, spec, flat.view(spec.shape))
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each a `[num_blocks, block_size, kv_heads, head_dim]` view."""
-        return self.tensor[:, index, 0], self.tensor[:, index, 1]
+        """K and V of one layer, each a contiguous `[kv_heads, num_blocks, block_size, head_dim]` view."""
+        return self.tensor[index, 0], self.tensor[index, 1]
 
     def block(self, block_id: int) -> torch.Tensor:
-        return self.tensor[block_id]
+        """A copy of one block's bytes: `[num_layers, 2, kv_heads, block_size, head_dim]`."""
+        return self.tensor[:, :, :, block_id].clone()
 
     def unlink(self) -> None:
         for p in (Path(self.path), _spec_path(self.path)):

@@ -28,11 +28,10 @@ class PrefillChunk:
 class AttentionBatch:
     """Where each new token's KV goes and what each token attends to."""
 
-    slot_blocks: torch.Tensor  # [tokens] arena block of each new token
-    slot_offsets: torch.Tensor  # [tokens] row inside that block
+    slots: torch.Tensor  # [tokens] block * block_size + offset of each new token's KV
     num_decode: int  # the first num_decode tokens are decodes, one per request
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] True = attend
+    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block tables, padded, flattened
+    decode_mask: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] True = attend
     prefills: list[PrefillChunk]
 
 
@@ -103,9 +102,10 @@ class LlamaModel:
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
             k_cache, v_cache = arena.layer(index)
-            k_cache[batch.slot_blocks, batch.slot_offsets] = k
-            v_cache[batch.slot_blocks, batch.slot_offsets] = v
-            attn = self._attention(q, k_cache, v_cache, batch)
+            heads, blocks, block_size, dim = k_cache.shape
+            k_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, k.transpose(0, 1))
+            v_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, v.transpose(0, 1))
+            attn = self._attention(q, k, v, k_cache, v_cache, batch)
             x = x + attn @ w_o
             h = self._rms_norm(x, ffn_norm)
             gate, up = (h @ w_gate_up).chunk(2, dim=-1)
@@ -114,29 +114,48 @@ class LlamaModel:
         return (x @ self.lm_head.t()).float()
 
     def _attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
     ) -> torch.Tensor:
-        # q: [tokens, heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim]
+        # q: [tokens, heads, dim]; k_new/v_new: [tokens, kv_heads, dim]
+        # caches: [kv_heads, blocks, block_size, dim]
         cfg = self.cfg
+        kv_heads, blocks, block_size, dim = k_cache.shape
+        group = cfg.group_size
         parts = []
         nd = batch.num_decode
         if nd:
-            assert batch.decode_block_tables is not None
-            k = k_cache[batch.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [reqs, kv_heads, ctx, dim]
-            v = v_cache[batch.decode_block_tables].flatten(1, 2).transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [reqs, heads, 1, dim]
-            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask, enable_gqa=True)
-            parts.append(out.reshape(nd, cfg.num_heads * cfg.head_dim))
+            assert batch.decode_blocks is not None and batch.decode_mask is not None
+            flat_k = k_cache.view(kv_heads, blocks, block_size * dim)
+            flat_v = v_cache.view(kv_heads, blocks, block_size * dim)
+            k = flat_k.index_select(1, batch.decode_blocks).view(kv_heads, nd, -1, dim)  # [kv_heads, reqs, ctx, dim]
+            v = flat_v.index_select(1, batch.decode_blocks).view(kv_heads, nd, -1, dim)
+            qd = (q[:nd] * dim**-0.5).view(nd, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, reqs, group, dim]
+            scores = torch.matmul(qd, k.transpose(-1, -2)).float()  # [kv_heads, reqs, group, ctx]
+            probs = scores.masked_fill_(batch.decode_mask.logical_not(), float("-inf")).softmax(-1).to(q.dtype)
+            out = torch.matmul(probs, v)  # [kv_heads, reqs, group, dim]
+            parts.append(out.transpose(0, 1).reshape(nd, cfg.num_heads * dim))
         for chunk in batch.prefills:
-            qc = q[chunk.start : chunk.start + chunk.length].transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
-            k = k_cache[chunk.block_table].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
-            v = v_cache[chunk.block_table].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
+            span = slice(chunk.start, chunk.start + chunk.length)
+            qc = q[span].transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
             past = chunk.context_len - chunk.length
             if past == 0:
+                # Nothing cached before this chunk: attend to its own fresh K/V, no gather.
+                k = k_new[span].transpose(0, 1).unsqueeze(0)
+                v = v_new[span].transpose(0, 1).unsqueeze(0)
                 out = F.scaled_dot_product_attention(qc, k, v, is_causal=True, enable_gqa=True)
             else:
+                ids = chunk.block_table
+                n = chunk.context_len
+                k = k_cache.view(kv_heads, blocks, -1).index_select(1, ids).view(1, kv_heads, -1, dim)[:, :, :n]
+                v = v_cache.view(kv_heads, blocks, -1).index_select(1, ids).view(1, kv_heads, -1, dim)[:, :, :n]
                 rows = torch.arange(chunk.length).unsqueeze(1) + past
-                mask = torch.arange(chunk.context_len).unsqueeze(0) <= rows  # [new, ctx]
+                mask = torch.arange(n).unsqueeze(0) <= rows  # [new, ctx]
                 out = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, enable_gqa=True)
-            parts.append(out[0].transpose(0, 1).reshape(chunk.length, cfg.num_heads * cfg.head_dim))
+            parts.append(out[0].transpose(0, 1).reshape(chunk.length, cfg.num_heads * dim))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -23,8 +23,7 @@ class ModelRunner:
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
+        slots: list[int] = []
         samplers: list[Request] = []
         sample_rows: list[int] = []
 
@@ -35,19 +34,19 @@ class ModelRunner:
             table = self.blocks.block_table(request.request_id)
             tokens.append(request.all_ids[pos])
             positions.append(pos)
-            slot_blocks.append(table[pos // bs])
-            slot_offsets.append(pos % bs)
+            slots.append(table[pos // bs] * bs + pos % bs)
             tables.append(table)
             context_lens.append(pos + 1)
             sample_rows.append(len(tokens) - 1)
             samplers.append(request)
 
-        decode_tables = decode_mask = None
+        decode_blocks = decode_mask = None
         if tables:
             width = max(len(t) for t in tables)
-            decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            # Pad each table to the widest with block 0: its rows are masked out below.
+            decode_blocks = torch.tensor([b for t in tables for b in (*t, *([0] * (width - len(t))))])
             lens = torch.tensor(context_lens)
-            decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).view(len(tables), 1, 1, -1)
+            decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, -1)
 
         chunks = []
         for request, n in step.prefills:
@@ -57,8 +56,7 @@ class ModelRunner:
             for pos in range(pos0, pos0 + n):
                 tokens.append(ids[pos])
                 positions.append(pos)
-                slot_blocks.append(table[pos // bs])
-                slot_offsets.append(pos % bs)
+                slots.append(table[pos // bs] * bs + pos % bs)
             context = pos0 + n
             chunks.append(PrefillChunk(start, n, context, torch.tensor(table[: -(-context // bs)])))
             if context == request.num_tokens:  # prompt fully computed: its last row yields a token
@@ -66,10 +64,9 @@ class ModelRunner:
                 samplers.append(request)
 
         batch = AttentionBatch(
-            slot_blocks=torch.tensor(slot_blocks),
-            slot_offsets=torch.tensor(slot_offsets),
+            slots=torch.tensor(slots),
             num_decode=len(step.decodes),
-            decode_block_tables=decode_tables,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=chunks,
         )

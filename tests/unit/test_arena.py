@@ -23,26 +23,31 @@ def arena():
     a.unlink()
 
 
-def test_block_is_one_contiguous_unit_with_all_layers(arena):
+def test_layout_serves_batched_attention_without_permutes(arena):
     spec = arena.spec
-    assert arena.tensor.shape == (8, 3, 2, 16, 2, 8)
-    assert spec.block_bytes == 3 * 2 * 16 * 2 * 8 * 2
-    assert arena.block(5).is_contiguous()
+    assert arena.tensor.shape == (3, 2, 2, 8, 16, 8)  # [layers, K/V, kv_heads, blocks, block_size, dim]
+    assert spec.block_bytes == 3 * 2 * 2 * 16 * 8 * 2
     k, v = arena.layer(1)
-    assert k.shape == (8, 16, 2, 8)
-    # Gathering a request's blocks yields [tokens, kv_heads, dim] rows without a permute.
-    gathered = k[torch.tensor([3, 1])].flatten(0, 1)
-    assert gathered.shape == (32, 2, 8) and gathered.is_contiguous()
+    assert k.shape == (2, 8, 16, 8) and k.is_contiguous()
+    k[0, 3, 5] = 1.0
+    k[1, 1, 2] = 2.0
+    # One index_select over the block ids of two requests gives [kv_heads, requests, tokens, dim] directly.
+    gathered = k.view(2, 8, -1).index_select(1, torch.tensor([3, 1])).view(2, 2, 16, 8)
+    assert gathered.is_contiguous()
+    assert gathered[0, 0, 5].tolist() == [1.0] * 8 and gathered[1, 1, 2].tolist() == [2.0] * 8
+    # A block holds every layer's K and V.
+    assert arena.block(3).shape == (3, 2, 2, 16, 8)
+    assert arena.block(3)[1, 0, 0, 5].tolist() == [1.0] * 8
 
 
 def test_second_process_reads_what_first_wrote(arena):
     k, v = arena.layer(2)
-    k[6, 3] = torch.arange(16, dtype=torch.bfloat16).view(2, 8)
-    v[1, 15] = -7.5
+    k[:, 6, 3] = torch.arange(16, dtype=torch.bfloat16).view(2, 8)
+    v[:, 1, 15] = -7.5
     code = (
         "import sys, torch; from steadfast.kv.arena import KVArena\n"
         "a = KVArena.attach(sys.argv[1]); k, v = a.layer(2)\n"
-        "print(k[6, 3].float().flatten().tolist()); print(v[1, 15].float().unique().tolist())\n"
+        "print(k[:, 6, 3].float().flatten().tolist()); print(v[:, 1, 15].float().unique().tolist())\n"
         "k[0, 0, 0, 0] = 42\n"  # and write back, for the parent to see
     )
     out = subprocess.run([sys.executable, "-c", code, arena.path], capture_output=True, text=True, check=True)
