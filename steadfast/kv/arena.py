@@ -103,6 +103,10 @@ class KVArena:
         """K and V of one layer, each a contiguous `[kv_heads, num_blocks, block_size, head_dim]` view."""
         return self.tensor[index, 0], self.tensor[index, 1]
 
+    def layer_kv(self, index: int) -> torch.Tensor:
+        """K and V of one layer together: a contiguous `[2, kv_heads, num_blocks, block_size, head_dim]` view."""
+        return self.tensor[index]
+
     def block(self, block_id: int) -> torch.Tensor:
         """A copy of one block's bytes: `[num_layers, 2, kv_heads, block_size, head_dim]`."""
         return self.tensor[:, :, :, block_id].clone()

@@ -65,8 +65,8 @@ class LlamaModel:
         self.sin = emb.sin().to(dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        # Normalised in fp32, scaled in the model dtype: the same rounding points as the reference.
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
         return weight * h.to(self.dtype)
 
     @staticmethod
@@ -96,16 +96,18 @@ class LlamaModel:
         for index, (attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
             h = self._rms_norm(x, attn_norm)
             qkv = h @ w_qkv
-            q = qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
+            # Q and K heads side by side get RoPE in one pass: [tokens, heads + kv_heads, dim]
+            qk = self._rope(
+                qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin
+            )
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
-            k_cache, v_cache = arena.layer(index)
+            kv_cache = arena.layer_kv(index)  # [2, kv_heads, blocks, block_size, dim]
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
             heads, blocks, block_size, dim = k_cache.shape
             k_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, k.transpose(0, 1))
             v_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, v.transpose(0, 1))
-            attn = self._attention(q, k, v, k_cache, v_cache, batch)
+            attn = self._attention(q, k, v, kv_cache, batch)
             x = x + attn @ w_o
             h = self._rms_norm(x, ffn_norm)
             gate, up = (h @ w_gate_up).chunk(2, dim=-1)
@@ -118,23 +120,22 @@ class LlamaModel:
         q: torch.Tensor,
         k_new: torch.Tensor,
         v_new: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor:
         # q: [tokens, heads, dim]; k_new/v_new: [tokens, kv_heads, dim]
-        # caches: [kv_heads, blocks, block_size, dim]
+        # kv_cache: [2, kv_heads, blocks, block_size, dim]
         cfg = self.cfg
-        kv_heads, blocks, block_size, dim = k_cache.shape
+        _, kv_heads, blocks, block_size, dim = kv_cache.shape
         group = cfg.group_size
         parts = []
         nd = batch.num_decode
         if nd:
             assert batch.decode_blocks is not None and batch.decode_mask is not None
-            flat_k = k_cache.view(kv_heads, blocks, block_size * dim)
-            flat_v = v_cache.view(kv_heads, blocks, block_size * dim)
-            k = flat_k.index_select(1, batch.decode_blocks).view(kv_heads, nd, -1, dim)  # [kv_heads, reqs, ctx, dim]
-            v = flat_v.index_select(1, batch.decode_blocks).view(kv_heads, nd, -1, dim)
+            # K and V of every request in one gather: [2, kv_heads, reqs, ctx, dim]
+            kv = kv_cache.view(2 * kv_heads, blocks, -1).index_select(1, batch.decode_blocks)
+            kv = kv.view(2, kv_heads, nd, -1, dim)
+            k, v = kv[0], kv[1]
             qd = (q[:nd] * dim**-0.5).view(nd, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, reqs, group, dim]
             scores = torch.matmul(qd, k.transpose(-1, -2)).float()  # [kv_heads, reqs, group, ctx]
             probs = scores.masked_fill_(batch.decode_mask.logical_not(), float("-inf")).softmax(-1).to(q.dtype)
@@ -150,10 +151,10 @@ class LlamaModel:
                 v = v_new[span].transpose(0, 1).unsqueeze(0)
                 out = F.scaled_dot_product_attention(qc, k, v, is_causal=True, enable_gqa=True)
             else:
-                ids = chunk.block_table
                 n = chunk.context_len
-                k = k_cache.view(kv_heads, blocks, -1).index_select(1, ids).view(1, kv_heads, -1, dim)[:, :, :n]
-                v = v_cache.view(kv_heads, blocks, -1).index_select(1, ids).view(1, kv_heads, -1, dim)[:, :, :n]
+                kv = kv_cache.view(2 * kv_heads, blocks, -1).index_select(1, chunk.block_table)
+                kv = kv.view(2, 1, kv_heads, -1, dim)[:, :, :, :n]  # [2, 1, kv_heads, ctx, dim]
+                k, v = kv[0], kv[1]
                 rows = torch.arange(chunk.length).unsqueeze(1) + past
                 mask = torch.arange(n).unsqueeze(0) <= rows  # [new, ctx]
                 out = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, enable_gqa=True)
