@@ -61,6 +61,8 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     num_running: int = 0
     num_waiting: int = 0
     prefix_hit_rate: float = 0.0
+    step_ms: float = 0.0  # mean engine step time since the last report
+    step_tokens: float = 0.0  # mean tokens computed per step since the last report
 
 
 ToWorker = AddRequest | AbortRequest

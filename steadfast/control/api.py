@@ -8,7 +8,6 @@ the client can see; a client that goes away aborts its request on the worker.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 import uuid
@@ -16,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -118,9 +118,12 @@ def _check(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest)
         raise APIError(f"Unsupported parameter '{bad[0]}': {bad[1]}.", param=bad[0], code="unsupported_parameter")
 
 
+_json = msgspec.json.Encoder()
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else _json.encode(data)
+    return b"data: " + payload + b"\n\n"
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -273,6 +276,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
                     "waiting": s.num_waiting if s else 0,
                     "in_flight": w.load,
                     "prefix_hit_rate": s.prefix_hit_rate if s else 0.0,
+                    "step_ms": s.step_ms if s else 0.0,
+                    "step_tokens": s.step_tokens if s else 0.0,
                 }
             )
         return rows

@@ -31,7 +31,7 @@ class AttentionBatch:
     slots: torch.Tensor  # [tokens] block * block_size + offset of each new token's KV
     num_decode: int  # the first num_decode tokens are decodes, one per request
     decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block tables, padded, flattened
-    decode_mask: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] True = attend
+    decode_pad: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] True = padding, not attended
     prefills: list[PrefillChunk]
 
 
@@ -131,14 +131,15 @@ class LlamaModel:
         parts = []
         nd = batch.num_decode
         if nd:
-            assert batch.decode_blocks is not None and batch.decode_mask is not None
+            assert batch.decode_blocks is not None and batch.decode_pad is not None
             # K and V of every request in one gather: [2, kv_heads, reqs, ctx, dim]
             kv = kv_cache.view(2 * kv_heads, blocks, -1).index_select(1, batch.decode_blocks)
             kv = kv.view(2, kv_heads, nd, -1, dim)
             k, v = kv[0], kv[1]
             qd = (q[:nd] * dim**-0.5).view(nd, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, reqs, group, dim]
-            scores = torch.matmul(qd, k.transpose(-1, -2)).float()  # [kv_heads, reqs, group, ctx]
-            probs = scores.masked_fill_(batch.decode_mask.logical_not(), float("-inf")).softmax(-1).to(q.dtype)
+            scores = torch.matmul(qd, k.transpose(-1, -2))  # [kv_heads, reqs, group, ctx]
+            scores.masked_fill_(batch.decode_pad, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = torch.matmul(probs, v)  # [kv_heads, reqs, group, dim]
             parts.append(out.transpose(0, 1).reshape(nd, cfg.num_heads * dim))
         for chunk in batch.prefills:

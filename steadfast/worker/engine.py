@@ -83,6 +83,8 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (rejections)
         self.steps = 0
+        self.step_seconds = 0.0
+        self.step_tokens = 0
         self.generated_tokens = 0
 
     @property
@@ -127,12 +129,15 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
             return outputs
+        t0 = time.perf_counter()
         logits, samplers = self.runner.execute(scheduled)
         self._advance(scheduled)
         tokens = sample(logits, [r.params for r in samplers], [len(r.output_ids) for r in samplers])
         for request, token in zip(samplers, tokens, strict=True):
             outputs.append(self._append(request, token))
         self.steps += 1
+        self.step_tokens += scheduled.num_tokens
+        self.step_seconds += time.perf_counter() - t0
         return outputs
 
     def _advance(self, scheduled: ScheduledStep) -> None:

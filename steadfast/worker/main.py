@@ -36,12 +36,16 @@ class WorkerLoop:
         self.engine: Engine | None = None
         self.stopping = False
         self._last_status = 0.0
+        self._last_counts = (0, 0.0, 0)  # engine steps, step seconds, step tokens at the last report
 
     def status(self, state: str) -> WorkerStatus:
         e = self.engine
         if e is None:
             return WorkerStatus(self.worker_id, os.getpid(), self.role, state)
         b = e.blocks
+        steps0, seconds0, tokens0 = self._last_counts
+        self._last_counts = (e.steps, e.step_seconds, e.step_tokens)
+        steps = e.steps - steps0
         return WorkerStatus(
             self.worker_id,
             os.getpid(),
@@ -52,6 +56,8 @@ class WorkerLoop:
             num_running=len(e.scheduler.running),
             num_waiting=e.scheduler.num_waiting,
             prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
+            step_ms=1000 * (e.step_seconds - seconds0) / steps if steps else 0.0,
+            step_tokens=(e.step_tokens - tokens0) / steps if steps else 0.0,
         )
 
     def _report(self, force: bool = False) -> None:

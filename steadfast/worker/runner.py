@@ -40,13 +40,13 @@ class ModelRunner:
             sample_rows.append(len(tokens) - 1)
             samplers.append(request)
 
-        decode_blocks = decode_mask = None
+        decode_blocks = decode_pad = None
         if tables:
             width = max(len(t) for t in tables)
             # Pad each table to the widest with block 0: its rows are masked out below.
             decode_blocks = torch.tensor([b for t in tables for b in (*t, *([0] * (width - len(t))))])
             lens = torch.tensor(context_lens)
-            decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, -1)
+            decode_pad = (torch.arange(width * bs).unsqueeze(0) >= lens.unsqueeze(1)).view(1, len(tables), 1, -1)
 
         chunks = []
         for request, n in step.prefills:
@@ -67,7 +67,7 @@ class ModelRunner:
             slots=torch.tensor(slots),
             num_decode=len(step.decodes),
             decode_blocks=decode_blocks,
-            decode_mask=decode_mask,
+            decode_pad=decode_pad,
             prefills=chunks,
         )
         logits = self.model.forward(

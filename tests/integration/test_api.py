@@ -235,6 +235,10 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, model):
                 got += 1
             if got == 5:
                 break
+        # Status reports come every 0.5 s: wait until one shows the request on the worker.
+        deadline = time.monotonic() + 5
+        while workers(server)[0]["running"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         busy = workers(server)[0]
         assert busy["running"] == 1 and busy["kv_blocks_used"] > 0
     w = wait_idle(server)

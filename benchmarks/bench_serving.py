@@ -1,0 +1,243 @@
+"""Serving benchmark: Steadfast through its HTTP API vs `transformers` batched generate, in one run.
+
+For each concurrency level, `concurrency` closed-loop clients stream chat completions (fixed output
+length, EOS ignored, temperature 0) until `requests` are done; we record TTFT and TPOT per request and
+output tokens/s overall. The baseline runs the same prompts through `transformers` `generate` in
+batches of `concurrency` (left-padded, same dtype, same output length), timing its first token with a
+logits-processor hook. Results are printed as a markdown table and written as JSON.
+
+    python benchmarks/bench_serving.py --concurrency 1 16 64 --max-tokens 128 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from steadfast.config import default_model_path  # noqa: E402
+from tests.integration.server import ServerProcess  # noqa: E402
+
+TOPICS = [
+    "a lighthouse keeper",
+    "the history of bread",
+    "how rainbows form",
+    "a robot learning to paint",
+    "the rules of chess",
+    "a trip to the mountains",
+    "why the sky is blue",
+    "a cat who loves jazz",
+    "the water cycle",
+    "a city under the sea",
+    "how vaccines work",
+    "an old map",
+    "the first computer",
+    "a friendly dragon",
+    "the moon landing",
+    "a garden in winter",
+]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})." for i in range(n)]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "tokens": tokens, "e2e": end - start}
+
+
+async def load(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int) -> dict:
+    todo = list(enumerate(prompts(n_requests)))
+    results: list[dict] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+
+        async def worker() -> None:
+            while todo:
+                _, prompt = todo.pop(0)
+                results.append(await one_request(client, url, model, prompt, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return summarize(results, wall)
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "out_tok_s": tokens / wall,
+        "ttft_p50_ms": 1000 * pct([r["ttft"] for r in results], 50),
+        "ttft_p99_ms": 1000 * pct([r["ttft"] for r in results], 99),
+        "tpot_p50_ms": 1000 * pct([r["tpot"] for r in results], 50),
+        "tpot_p99_ms": 1000 * pct([r["tpot"] for r in results], 99),
+    }
+
+
+def bench_steadfast(args: argparse.Namespace) -> dict[int, dict]:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-"))
+    server = ServerProcess(tmp, f"model: {{dtype: {args.dtype}}}\ncache: {{kv_memory_mb: 2048}}\n")
+    out: dict[int, dict] = {}
+    try:
+        server.wait_ready()
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(load(server.url, model, 2, 2, 8))  # warm-up
+        for c in args.concurrency:
+            n = max(args.min_requests, args.waves * c)
+            out[c] = asyncio.run(load(server.url, model, c, n, args.max_tokens))
+            print(f"steadfast c={c}: {out[c]}", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
+def bench_transformers(args: argparse.Namespace) -> dict[int, dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    path = Path(default_model_path())
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.padding_side = "left"
+
+    class FirstToken(LogitsProcessor):
+        def __init__(self) -> None:
+            self.at: float | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.at is None:
+                self.at = time.perf_counter()
+            return scores
+
+    out: dict[int, dict] = {}
+    for c in args.concurrency:
+        n = max(args.baseline_min_requests, c * args.baseline_waves)
+        texts = [
+            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts(n)
+        ]
+        results = []
+        t0 = time.perf_counter()
+        for i in range(0, n, c):
+            batch = tok(texts[i : i + c], return_tensors="pt", padding=True, add_special_tokens=False)
+            hook = FirstToken()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(
+                    **batch,
+                    max_new_tokens=args.max_tokens,
+                    min_new_tokens=args.max_tokens,
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                    logits_processor=LogitsProcessorList([hook]),
+                )
+            end = time.perf_counter()
+            first = hook.at or end
+            for _ in range(len(texts[i : i + c])):
+                results.append(
+                    {
+                        "ttft": first - start,
+                        "tpot": (end - first) / (args.max_tokens - 1),
+                        "tokens": args.max_tokens,
+                        "e2e": end - start,
+                    }
+                )
+        out[c] = summarize(results, time.perf_counter() - t0)
+        print(f"transformers c={c}: {out[c]}", flush=True)
+    return out
+
+
+def table(ours: dict[int, dict], base: dict[int, dict]) -> str:
+    lines = [
+        "| concurrency | engine | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tok/s vs baseline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in ours:
+        rows = [("steadfast (HTTP, streamed)", ours[c])]
+        if c in base:
+            rows.append(("transformers generate (batched)", base[c]))
+        for name, r in rows:
+            ratio = f"{r['out_tok_s'] / base[c]['out_tok_s']:.2f}x" if c in base else "n/a"
+            lines.append(
+                f"| {c} | {name} | {r['out_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | "
+                f"{r['tpot_p50_ms']:.1f} ms | {r['tpot_p99_ms']:.1f} ms | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--waves", type=int, default=2, help="requests per level = waves x concurrency")
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--baseline-waves", type=int, default=1)
+    p.add_argument("--baseline-min-requests", type=int, default=4)
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving.json"))
+    args = p.parse_args()
+
+    ours = bench_steadfast(args)
+    base = {} if args.skip_baseline else bench_transformers(args)
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "torch": torch.__version__,
+        "args": vars(args),
+        "steadfast": ours,
+        "transformers": base,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(table(ours, base))
+
+
+if __name__ == "__main__":
+    main()
