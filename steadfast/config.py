@@ -100,7 +100,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("scheduler.max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens < 1:
             raise ConfigError("scheduler.max_num_batched_tokens must be >= 1")
         if self.max_prefill_chunk < 1:
             raise ConfigError("scheduler.max_prefill_chunk must be >= 1")
@@ -115,8 +115,7 @@ class ServerConfig:
     startup_timeout_s: float = 180.0
     # How often workers report their load to the router.
     status_interval_s: float = 0.5
-    # A request waiting longer than this in the router for its first token is failed, not lost.
-    request_timeout_s: float = 600.0
+    # Intra-op threads per worker; 0 = STEADFAST_THREADS or every core.
     threads_per_worker: int = 0
 
     def __post_init__(self) -> None:
@@ -147,11 +146,15 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def _refuse_unknown(given: dict[str, Any], known: dict[str, Any], what: str) -> None:
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown {what}: {', '.join(unknown)}; known: {', '.join(known)}")
+
+
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key(s) in {where}: {', '.join(unknown)}; known: {', '.join(known)}")
+    _refuse_unknown(values, known, f"key(s) in {where}")
     typed: dict[str, Any] = {}
     for key, value in values.items():
         want = known[key].type
@@ -183,9 +186,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError("the config file must hold a mapping at its top level")
     sections = {f.name: f for f in dataclasses.fields(Config)}
-    unknown = sorted(set(data) - set(sections))
-    if unknown:
-        raise ConfigError(f"unknown config section(s): {', '.join(unknown)}; known: {', '.join(sections)}")
+    _refuse_unknown(data, sections, "config section(s)")
     built: dict[str, Any] = {}
     for name, value in data.items():
         if not isinstance(value, dict):

@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,6 +214,34 @@ async def _collect(gen: Generation, http: Request) -> tuple[str, list[int]] | No
     return None
 
 
+async def _respond(
+    ctx: ServingContext,
+    prepared: Prepared,
+    stream: bool,
+    http: Request,
+    streamer: Callable[[ServingContext, Generation], AsyncIterator[bytes]],
+    obj: str,
+    choice: Callable[[str], dict[str, Any]],
+) -> Response:
+    """Run an admitted request: an SSE stream, or one JSON body once it is done."""
+    gen = Generation(ctx, prepared)
+    if stream:
+        return StreamingResponse(streamer(ctx, gen), media_type="text/event-stream")
+    result = await _collect(gen, http)
+    if result is None:
+        return Response(status_code=499)  # the client left; its request was aborted
+    text, _ = result
+    body = {
+        "id": prepared.request_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": [{**choice(text), "finish_reason": gen.finish_reason}],
+        "usage": _usage(len(prepared.prompt_ids), gen.completion_tokens, gen.cached_tokens),
+    }
+    return JSONResponse(body)
+
+
 def create_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="Steadfast", version="0.1.0")
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -319,23 +347,11 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 raise APIError(f"Token ids in 'prompt' must be in [0, {ctx.tokenizer.vocab_size}).", param="prompt")
         ensure_ready()
         prepared = _prepare(ctx, body, ids, body.max_tokens, "cmpl")
-        gen = Generation(ctx, prepared)
-        if body.stream:
-            return StreamingResponse(_stream_completion(ctx, gen), media_type="text/event-stream")
-        result = await _collect(gen, http)
-        if result is None:
-            return Response(status_code=499)
-        text, _ = result
-        return JSONResponse(
-            {
-                "id": prepared.request_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": ctx.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}],
-                "usage": _usage(len(ids), gen.completion_tokens, gen.cached_tokens),
-            }
-        )
+
+        def choice(text: str) -> dict[str, Any]:
+            return {"index": 0, "text": text, "logprobs": None}
+
+        return await _respond(ctx, prepared, body.stream, http, _stream_completion, "text_completion", choice)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
@@ -347,30 +363,11 @@ def create_app(ctx: ServingContext) -> FastAPI:
             raise APIError(f"The chat template rejected these messages: {exc}", param="messages") from exc
         ensure_ready()
         prepared = _prepare(ctx, body, ids, body.token_limit, "chatcmpl")
-        gen = Generation(ctx, prepared)
-        if body.stream:
-            return StreamingResponse(_stream_chat(ctx, gen), media_type="text/event-stream")
-        result = await _collect(gen, http)
-        if result is None:
-            return Response(status_code=499)
-        text, _ = result
-        return JSONResponse(
-            {
-                "id": prepared.request_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": ctx.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
-                        "finish_reason": gen.finish_reason,
-                    }
-                ],
-                "usage": _usage(len(ids), gen.completion_tokens, gen.cached_tokens),
-            }
-        )
+
+        def choice(text: str) -> dict[str, Any]:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+
+        return await _respond(ctx, prepared, body.stream, http, _stream_chat, "chat.completion", choice)
 
     return app
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ArenaSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def shape(self) -> tuple[int, ...]:

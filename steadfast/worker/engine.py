@@ -8,10 +8,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from steadfast.config import Config
-from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.arena import TORCH_DTYPES, ArenaSpec, KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.model.gguf_loader import LlamaConfig, load_weights, open_gguf, read_config
 from steadfast.model.llama import LlamaModel
@@ -24,8 +22,6 @@ from steadfast.worker.sampler import sample
 from steadfast.worker.scheduler import ScheduledStep, Scheduler
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -65,8 +61,8 @@ def load_model(cfg: Config) -> LoadedModel:
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
     limit = max_model_len(cfg, model_cfg)
-    weights = load_weights(reader, model_cfg, DTYPES[cfg.model.dtype])
-    model = LlamaModel(model_cfg, weights, DTYPES[cfg.model.dtype], max_positions=limit)
+    weights = load_weights(reader, model_cfg, TORCH_DTYPES[cfg.model.dtype])
+    model = LlamaModel(model_cfg, weights, TORCH_DTYPES[cfg.model.dtype], max_positions=limit)
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
 
 
