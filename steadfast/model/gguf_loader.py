@@ -67,6 +67,10 @@ def read_config(reader: gguf.GGUFReader) -> LlamaConfig:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
+    scaling = field_value(reader, f"{arch}.rope.scaling.type")
+    if (scaling not in (None, "none")) or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # Serving such a model with plain RoPE would give plausible but wrong text past the trained length.
+        raise ModelLoadError(f"RoPE scaling ({scaling or 'rope_freqs'}) is not supported yet")
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", heads))
