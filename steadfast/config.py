@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,23 +129,101 @@ class ServerConfig:
             raise ConfigError("server timeouts must be positive")
 
 
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: Any, where: str) -> float:
+    """Seconds from `60s`, `500ms`, `2m`, `1h` or a plain number of seconds."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be a duration like 60s or 500ms, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)\s*", value)
+        if not match:
+            raise ConfigError(f"{where} must be a duration like 60s or 500ms, got {value!r}")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    else:
+        raise ConfigError(f"{where} must be a duration like 60s or 500ms, got {value!r}")
+    if seconds < 0:
+        raise ConfigError(f"{where} must not be negative")
+    return seconds
+
+
+RECOVERY_MODES = ("ledger_first", "rebuild", "auto")
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    renew_interval_ms: int = 500
+    lease_timeout_ms: int = 5000
+    # Fencing epochs: every ledger write names its epoch and a stale one is refused.
+    version_check: bool = True
+
+    def __post_init__(self) -> None:
+        if self.renew_interval_ms < 1:
+            raise ConfigError("fault_recovery.lease.renew_interval_ms must be >= 1")
+        if self.lease_timeout_ms < 3 * self.renew_interval_ms:
+            # Fewer than three missed renewals would declare a merely slow worker dead.
+            raise ConfigError(
+                f"fault_recovery.lease.lease_timeout_ms ({self.lease_timeout_ms}) must be at least 3 x "
+                f"renew_interval_ms ({self.renew_interval_ms})"
+            )
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    external_ledger: bool = True
+    snapshot_interval_steps: int = 128
+    recovery_mode: str = "ledger_first"
+    # SQLite file of the embedded ledger; empty = inside the server's run directory.
+    ledger_path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.snapshot_interval_steps < 1:
+            raise ConfigError("fault_recovery.kv_cache.snapshot_interval_steps must be >= 1")
+        if self.recovery_mode not in RECOVERY_MODES:
+            raise ConfigError(f"fault_recovery.kv_cache.recovery_mode must be one of {RECOVERY_MODES}")
+
+
+@dataclass(frozen=True)
+class RequestRecoveryConfig:
+    # Seconds a finished or interrupted request's delivery record is kept for dedup and resumption.
+    idempotency_window: float = field(default=60.0, metadata={"duration": True})
+    resume_checkpoint: bool = True
+
+
+@dataclass(frozen=True)
+class FaultRecoveryConfig:
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    kv_cache: LedgerConfig = field(default_factory=LedgerConfig)
+    request: RequestRecoveryConfig = field(default_factory=RequestRecoveryConfig)
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    fault_recovery: FaultRecoveryConfig = field(default_factory=FaultRecoveryConfig)
 
     def replace(self, **sections: dict[str, Any]) -> Config:
-        """A copy with some keys of some sections changed: `cfg.replace(model={"dtype": "float32"})`."""
-        changed = {
-            name: _build(type(getattr(self, name)), {**dataclasses.asdict(getattr(self, name)), **values}, name)
-            for name, values in sections.items()
-        }
-        return dataclasses.replace(self, **changed)
+        """A copy with some keys changed, nested as in YAML: `cfg.replace(model={"dtype": "float32"})`."""
+        return config_from_dict(_merge(self.to_dict(), sections))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _refuse_unknown(given: dict[str, Any], known: dict[str, Any], what: str) -> None:
@@ -152,13 +232,22 @@ def _refuse_unknown(given: dict[str, Any], known: dict[str, Any], what: str) -> 
         raise ConfigError(f"unknown {what}: {', '.join(unknown)}; known: {', '.join(known)}")
 
 
-def _build(cls: type, values: dict[str, Any], where: str) -> Any:
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    _refuse_unknown(values, known, f"key(s) in {where}")
+def _build(cls: type, values: Any, where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section {where!r} must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _refuse_unknown(values, fields, f"key(s) in {where}" if where else "config section(s)")
+    hints = typing.get_type_hints(cls)
     typed: dict[str, Any] = {}
     for key, value in values.items():
-        want = known[key].type
-        typed[key] = _coerce(value, want if isinstance(want, str) else want.__name__, f"{where}.{key}")
+        path = f"{where}.{key}" if where else key
+        want = hints[key]
+        if dataclasses.is_dataclass(want):
+            typed[key] = _build(want, value, path)
+        elif fields[key].metadata.get("duration"):
+            typed[key] = parse_duration(value, path)
+        else:
+            typed[key] = _coerce(value, want.__name__, path)
     return cls(**typed)
 
 
@@ -185,15 +274,7 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
 def config_from_dict(data: dict[str, Any]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError("the config file must hold a mapping at its top level")
-    sections = {f.name: f for f in dataclasses.fields(Config)}
-    _refuse_unknown(data, sections, "config section(s)")
-    built: dict[str, Any] = {}
-    for name, value in data.items():
-        if not isinstance(value, dict):
-            raise ConfigError(f"config section {name!r} must be a mapping")
-        cls = type(getattr(Config(), name))
-        built[name] = _build(cls, value, name)
-    return Config(**built)
+    return _build(Config, data, "")
 
 
 def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:

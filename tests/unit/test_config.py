@@ -38,3 +38,63 @@ def test_bad_config_is_refused_with_the_key_named(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(str(f))
     assert fragment in str(err.value)
+
+
+SEED_BLOCK = """
+fault_recovery:
+  lease:
+    renew_interval_ms: 500        # heartbeat / renewal period
+    lease_timeout_ms: 5000        # lease expiry
+    version_check: true           # fencing epochs against split brain
+  kv_cache:
+    external_ledger: true
+    snapshot_interval_steps: 128
+    recovery_mode: ledger_first
+  request:
+    idempotency_window: 60s
+    resume_checkpoint: true
+"""
+
+
+def test_seed_fault_recovery_block_is_accepted_verbatim_and_is_the_default(tmp_path):
+    f = tmp_path / "seed.yaml"
+    f.write_text(SEED_BLOCK)
+    cfg = load_config(str(f))
+    fr = cfg.fault_recovery
+    assert (fr.lease.renew_interval_ms, fr.lease.lease_timeout_ms, fr.lease.version_check) == (500, 5000, True)
+    assert (fr.kv_cache.external_ledger, fr.kv_cache.snapshot_interval_steps) == (True, 128)
+    assert fr.kv_cache.recovery_mode == "ledger_first"
+    assert (fr.request.idempotency_window, fr.request.resume_checkpoint) == (60.0, True)
+    assert cfg == Config()
+
+
+def test_nested_override_keeps_sibling_keys():
+    cfg = Config().replace(fault_recovery={"lease": {"renew_interval_ms": 100, "lease_timeout_ms": 300}})
+    assert cfg.fault_recovery.lease.version_check is True
+    assert cfg.fault_recovery.kv_cache.snapshot_interval_steps == 128
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("fault_recovery: {lease: {renew_interval_ms: 500, lease_timeout_ms: 1400}}", "at least 3 x renew_interval_ms"),
+        ("fault_recovery: {lease: {renew_ms: 5}}", "unknown key(s) in fault_recovery.lease: renew_ms"),
+        ("fault_recovery: {kv_cache: {recovery_mode: guess}}", "recovery_mode must be one of"),
+        ("fault_recovery: {kv_cache: {snapshot_interval_steps: 0}}", "snapshot_interval_steps must be >= 1"),
+        ("fault_recovery: {request: {idempotency_window: soon}}", "idempotency_window must be a duration"),
+        ("fault_recovery: {lease: 5}", "must be a mapping"),
+    ],
+)
+def test_bad_fault_recovery_values_are_refused(tmp_path, text, fragment):
+    f = tmp_path / "c.yaml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f))
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("text, seconds", [("60s", 60.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0), (15, 15.0)])
+def test_durations(text, seconds):
+    from steadfast.config import parse_duration
+
+    assert parse_duration(text, "x") == seconds
