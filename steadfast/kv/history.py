@@ -1,0 +1,104 @@
+"""Recording ledger operations and checking the history, in the spirit of etcd's robustness tests.
+
+`RecordingLedger` wraps any ledger and appends every call with its outcome; `check_history` replays
+the accepted operations and reports each broken invariant: two owners of a block at once, a write
+accepted under a stale epoch, a sealed block changed, blocks reclaimed from an unfenced worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from steadfast.kv.ledger import Lease, Ledger
+
+# Calls that carry (worker, epoch) as their first two arguments and write.
+_EPOCH_WRITES = {"renew_lease", "release_lease", "grant", "authorize_write", "seal", "free", "checkpoint"}
+
+
+@dataclass
+class Op:
+    seq: int
+    name: str
+    args: tuple[Any, ...]
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass
+class RecordingLedger:
+    inner: Ledger
+    history: list[Op] = field(default_factory=list)
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if not callable(target) or name in {"blocks", "leases", "lease", "request", "requests", "check_integrity"}:
+            return target
+
+        def call(*args: Any) -> Any:
+            op = Op(len(self.history), name, args, ok=False)
+            self.history.append(op)
+            try:
+                op.result = target(*args)
+            except Exception as exc:
+                op.error = f"{type(exc).__name__}: {exc}"
+                raise
+            op.ok = True
+            return op.result
+
+        call.__name__ = name
+        return call
+
+
+def check_history(history: list[Op]) -> list[str]:
+    """Every invariant the accepted operations of `history` break, in order; empty when none."""
+    problems: list[str] = []
+    epoch: dict[str, int] = {}  # worker -> its current epoch
+    active: dict[str, bool] = {}
+    owner: dict[int, tuple[str, int]] = {}  # block -> (worker, epoch) while granted
+    sealed: set[int] = set()
+    for op in history:
+        if not op.ok:
+            continue
+        a = op.args
+        if op.name == "acquire_lease":
+            lease: Lease = op.result
+            if lease.epoch <= max(epoch.values(), default=0):
+                problems.append(f"#{op.seq}: epoch {lease.epoch} granted is not above every earlier epoch")
+            epoch[a[0]], active[a[0]] = lease.epoch, True
+        elif op.name == "fence":
+            if op.result <= max(epoch.values(), default=0):
+                problems.append(f"#{op.seq}: fencing epoch {op.result} is not above every earlier epoch")
+            epoch[a[0]], active[a[0]] = op.result, False
+        elif op.name in _EPOCH_WRITES:
+            worker, used = a[0], a[1]
+            if epoch.get(worker) != used or not active.get(worker, False):
+                problems.append(f"#{op.seq}: {op.name} by {worker} accepted with stale epoch {used}")
+            if op.name == "release_lease":
+                active[worker] = False
+            elif op.name == "grant":
+                for b in op.result:
+                    if b in owner:
+                        problems.append(f"#{op.seq}: block {b} granted to {worker} while owned by {owner[b][0]}")
+                    owner[b] = (worker, used)
+            elif op.name in ("authorize_write", "seal"):
+                ids = [a[2]] if op.name == "authorize_write" else [b for b, _ in a[2]]
+                for b in ids:
+                    if b in sealed:
+                        problems.append(f"#{op.seq}: sealed block {b} changed by {op.name}")
+                    if owner.get(b) != (worker, used):
+                        problems.append(f"#{op.seq}: {op.name} on block {b} not owned by {worker}/{used}")
+                if op.name == "seal":
+                    sealed.update(ids)
+            elif op.name == "free":
+                for b in a[2]:
+                    owner.pop(b, None)
+                    sealed.discard(b)
+        elif op.name == "reclaim":
+            if active.get(a[0], False):
+                problems.append(f"#{op.seq}: blocks of {a[0]} reclaimed while its lease is active")
+            kept, quarantined = op.result
+            for b in (*kept, *quarantined):
+                owner.pop(b, None)
+    return problems

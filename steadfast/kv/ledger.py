@@ -1,0 +1,168 @@
+"""The KV ledger: what every block holds and who may write it, outside any engine process.
+
+One interface, backends behind it (embedded SQLite here; etcd later). The ledger records blocks
+(state, owner, epoch, refcount, chained content hash, tier), request checkpoints and worker leases.
+Every write names the writer's lease epoch and is refused (`FencedError`) unless that epoch is the
+worker's current one and its lease has not expired: a worker that was fenced cannot write its way back.
+
+Epochs come from one counter for the whole ledger, so they strictly increase across every grant.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class BlockState(enum.StrEnum):
+    FREE = "FREE"
+    OWNED = "OWNED"  # being filled by its owner, under its owner's epoch
+    SEALED = "SEALED"  # full and immutable, named by its chained hash
+    OFFLOADED = "OFFLOADED"  # bytes live in a slower tier
+    QUARANTINED = "QUARANTINED"  # partial block of a dead writer: never adopted as is
+
+
+class LeaseState(enum.StrEnum):
+    ACTIVE = "active"
+    FENCED = "fenced"  # expired or declared dead; its epoch was bumped
+    RELEASED = "released"  # the worker left cleanly
+
+
+class LedgerError(RuntimeError):
+    """A ledger operation that breaks a precondition (bad input, wrong state)."""
+
+
+class FencedError(LedgerError):
+    """A write carrying an epoch that is not (or no longer) the writer's current, live lease."""
+
+
+class LeaseHeldError(LedgerError):
+    """Another live process already holds this worker's lease."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    worker: str
+    epoch: int
+    expires: float
+    pid: int
+    state: LeaseState
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    block_id: int
+    state: BlockState
+    owner: str | None = None
+    epoch: int | None = None
+    request: str | None = None
+    refs: int = 0
+    hash: bytes | None = None
+    tier: str | None = None
+
+
+@dataclass
+class RequestCheckpoint:
+    request_id: str
+    prompt_ids: list[int]
+    params: str  # the sampling parameters, JSON (seed included)
+    generated_ids: list[int]
+    delivered: int
+    phase: str  # queued | prefill | transfer | decode | migrating | finished
+    block_table: list[int] = field(default_factory=list)
+    owner: str | None = None
+    epoch: int | None = None
+
+
+class Ledger(abc.ABC):
+    """What the pool daemon and the workers may ask of the ledger. Times are seconds on `clock()`."""
+
+    # --- leases -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def acquire_lease(self, worker: str, pid: int, ttl_s: float) -> Lease: ...
+
+    @abc.abstractmethod
+    def renew_lease(self, worker: str, epoch: int, ttl_s: float) -> Lease: ...
+
+    @abc.abstractmethod
+    def release_lease(self, worker: str, epoch: int) -> None: ...
+
+    @abc.abstractmethod
+    def fence(self, worker: str) -> int:
+        """Bump the worker's epoch and mark its lease fenced; return the new epoch."""
+
+    @abc.abstractmethod
+    def lease(self, worker: str) -> Lease | None: ...
+
+    @abc.abstractmethod
+    def leases(self) -> list[Lease]: ...
+
+    # --- blocks -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def format(self, num_blocks: int) -> None:
+        """Create `num_blocks` FREE blocks, or check an existing ledger has that many."""
+
+    @abc.abstractmethod
+    def grant(self, worker: str, epoch: int, count: int) -> list[int]:
+        """Up to `count` FREE blocks become OWNED by the worker (fewer, maybe none, when short)."""
+
+    @abc.abstractmethod
+    def authorize_write(self, worker: str, epoch: int, block_id: int) -> None:
+        """Raise unless the worker may change this block's bytes now."""
+
+    @abc.abstractmethod
+    def seal(self, worker: str, epoch: int, hashes: Sequence[tuple[int, bytes]]) -> None: ...
+
+    @abc.abstractmethod
+    def free(self, worker: str, epoch: int, block_ids: Sequence[int]) -> None: ...
+
+    @abc.abstractmethod
+    def reclaim(self, worker: str) -> tuple[list[int], list[int]]:
+        """After a fenced worker's process is confirmed gone: its partial blocks become QUARANTINED and
+        its sealed blocks ownerless (kept, adoptable after a hash check).
+
+        Returns (sealed block ids kept for adoption, quarantined block ids).
+        """
+
+    @abc.abstractmethod
+    def blocks(self) -> list[BlockRecord]: ...
+
+    # --- requests -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def checkpoint(self, worker: str, epoch: int, records: Sequence[RequestCheckpoint]) -> None:
+        """Record request progress, all in one transaction."""
+
+    @abc.abstractmethod
+    def request(self, request_id: str) -> RequestCheckpoint | None: ...
+
+    @abc.abstractmethod
+    def requests(self, owner: str | None = None) -> list[RequestCheckpoint]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # --- integrity ----------------------------------------------------------------------------
+    def check_integrity(self, now: float) -> list[str]:
+        """Problems between blocks and leases; an empty list when the ledger is consistent."""
+        problems = []
+        leases = {lease.worker: lease for lease in self.leases()}
+        for b in self.blocks():
+            if b.state == BlockState.FREE:
+                if b.owner is not None or b.refs or b.hash is not None:
+                    problems.append(f"block {b.block_id} is FREE but has owner/refs/hash")
+                continue
+            if b.state == BlockState.OWNED or (b.state == BlockState.SEALED and b.owner is not None):
+                lease = leases.get(b.owner or "")
+                if lease is None:
+                    problems.append(f"block {b.block_id} is {b.state} by {b.owner}, who has no lease")
+                elif lease.state == LeaseState.ACTIVE and b.epoch != lease.epoch:
+                    problems.append(f"block {b.block_id} has epoch {b.epoch}, its owner's lease {lease.epoch}")
+                elif lease.state != LeaseState.ACTIVE and b.epoch is not None and b.epoch >= lease.epoch:
+                    problems.append(f"block {b.block_id} carries epoch {b.epoch} not older than a fenced lease")
+            if b.state == BlockState.SEALED and not b.hash:
+                problems.append(f"block {b.block_id} is SEALED without a hash")
+            if b.state == BlockState.OWNED and b.refs < 1:
+                problems.append(f"block {b.block_id} is OWNED with refcount {b.refs}")
+        return problems

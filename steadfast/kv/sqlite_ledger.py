@@ -1,0 +1,271 @@
+"""The embedded ledger backend: one SQLite file in WAL mode, shared by the processes of a node.
+
+Each operation is one `BEGIN IMMEDIATE` transaction: the epoch check and the write it guards commit
+together or not at all, so a writer killed mid-transaction leaves the previous consistent state.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from steadfast.kv.ledger import (
+    BlockRecord,
+    BlockState,
+    FencedError,
+    Lease,
+    LeaseHeldError,
+    LeaseState,
+    Ledger,
+    LedgerError,
+    RequestCheckpoint,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (
+    worker TEXT PRIMARY KEY, epoch INTEGER NOT NULL, expires REAL NOT NULL, pid INTEGER NOT NULL,
+    state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks (
+    id INTEGER PRIMARY KEY, state TEXT NOT NULL, owner TEXT, epoch INTEGER, request TEXT,
+    refs INTEGER NOT NULL DEFAULT 0, hash BLOB, tier TEXT);
+CREATE INDEX IF NOT EXISTS blocks_by_owner ON blocks (owner, state);
+CREATE TABLE IF NOT EXISTS requests (
+    id TEXT PRIMARY KEY, prompt BLOB NOT NULL, params TEXT NOT NULL, generated BLOB NOT NULL,
+    delivered INTEGER NOT NULL, owner TEXT, epoch INTEGER, phase TEXT NOT NULL, blocks BLOB NOT NULL,
+    updated REAL NOT NULL);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', 0);
+"""
+
+
+def _ids(values: Sequence[int]) -> bytes:
+    return array("q", values).tobytes()
+
+
+def _unids(blob: bytes) -> list[int]:
+    out = array("q")
+    out.frombytes(blob)
+    return out.tolist()
+
+
+class SqliteLedger(Ledger):
+    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic, timeout_s: float = 10.0) -> None:
+        self.path = path
+        self.clock = clock
+        # isolation_level=None: transactions are opened explicitly, with BEGIN IMMEDIATE.
+        self.db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes, cheap per commit
+        with self._tx() as c:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    c.execute(statement)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Cursor]:
+        c = self.db.cursor()
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            yield c
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        else:
+            c.execute("COMMIT")
+
+    def close(self) -> None:
+        self.db.close()
+
+    # --- leases -------------------------------------------------------------------------------
+    @staticmethod
+    def _lease_row(row: tuple) -> Lease:
+        return Lease(row[0], row[1], row[2], row[3], LeaseState(row[4]))
+
+    def _next_epoch(self, c: sqlite3.Cursor) -> int:
+        c.execute("UPDATE meta SET value = value + 1 WHERE key = 'epoch'")
+        return c.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()[0]
+
+    def _check_lease(self, c: sqlite3.Cursor, worker: str, epoch: int) -> None:
+        row = c.execute("SELECT epoch, expires, state FROM leases WHERE worker = ?", (worker,)).fetchone()
+        if row is None:
+            raise FencedError(f"{worker} holds no lease")
+        current, expires, state = row
+        if epoch != current:
+            raise FencedError(f"{worker} wrote with epoch {epoch}; its current epoch is {current}")
+        if state != LeaseState.ACTIVE:
+            raise FencedError(f"{worker}'s lease (epoch {epoch}) is {state}")
+        if self.clock() > expires:
+            raise FencedError(f"{worker}'s lease (epoch {epoch}) expired")
+
+    def acquire_lease(self, worker: str, pid: int, ttl_s: float) -> Lease:
+        now = self.clock()
+        with self._tx() as c:
+            row = c.execute("SELECT expires, state FROM leases WHERE worker = ?", (worker,)).fetchone()
+            if row is not None and row[1] == LeaseState.ACTIVE and row[0] >= now:
+                raise LeaseHeldError(f"{worker} already holds a live lease")
+            left = c.execute(
+                "SELECT COUNT(*) FROM blocks WHERE owner = ? AND state IN ('OWNED', 'SEALED')", (worker,)
+            ).fetchone()[0]
+            if left:
+                # A new incarnation never inherits blocks by name: the old one is fenced and reclaimed first.
+                raise LedgerError(f"{worker} still holds {left} blocks of an earlier epoch; fence and reclaim first")
+            epoch = self._next_epoch(c)
+            c.execute(
+                "INSERT OR REPLACE INTO leases (worker, epoch, expires, pid, state) VALUES (?, ?, ?, ?, ?)",
+                (worker, epoch, now + ttl_s, pid, LeaseState.ACTIVE.value),
+            )
+        return Lease(worker, epoch, now + ttl_s, pid, LeaseState.ACTIVE)
+
+    def renew_lease(self, worker: str, epoch: int, ttl_s: float) -> Lease:
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            expires = self.clock() + ttl_s
+            c.execute("UPDATE leases SET expires = ? WHERE worker = ?", (expires, worker))
+            pid = c.execute("SELECT pid FROM leases WHERE worker = ?", (worker,)).fetchone()[0]
+        return Lease(worker, epoch, expires, pid, LeaseState.ACTIVE)
+
+    def release_lease(self, worker: str, epoch: int) -> None:
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            c.execute("UPDATE leases SET state = ? WHERE worker = ?", (LeaseState.RELEASED.value, worker))
+
+    def fence(self, worker: str) -> int:
+        with self._tx() as c:
+            if c.execute("SELECT 1 FROM leases WHERE worker = ?", (worker,)).fetchone() is None:
+                raise LedgerError(f"{worker} has no lease to fence")
+            epoch = self._next_epoch(c)
+            c.execute(
+                "UPDATE leases SET epoch = ?, state = ? WHERE worker = ?", (epoch, LeaseState.FENCED.value, worker)
+            )
+        return epoch
+
+    def lease(self, worker: str) -> Lease | None:
+        row = self.db.execute("SELECT worker, epoch, expires, pid, state FROM leases WHERE worker = ?", (worker,))
+        found = row.fetchone()
+        return None if found is None else self._lease_row(found)
+
+    def leases(self) -> list[Lease]:
+        rows = self.db.execute("SELECT worker, epoch, expires, pid, state FROM leases ORDER BY worker")
+        return [self._lease_row(r) for r in rows]
+
+    # --- blocks -------------------------------------------------------------------------------
+    def format(self, num_blocks: int) -> None:
+        with self._tx() as c:
+            have = c.execute("SELECT COUNT(*) FROM blocks").fetchone()[0]
+            if have == 0:
+                c.executemany("INSERT INTO blocks (id, state) VALUES (?, 'FREE')", ((i,) for i in range(num_blocks)))
+            elif have != num_blocks:
+                raise LedgerError(f"the ledger describes {have} blocks, the arena has {num_blocks}")
+
+    def grant(self, worker: str, epoch: int, count: int) -> list[int]:
+        if count < 0:
+            raise LedgerError("cannot grant a negative number of blocks")
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            ids = [r[0] for r in c.execute("SELECT id FROM blocks WHERE state = 'FREE' ORDER BY id LIMIT ?", (count,))]
+            c.executemany(
+                "UPDATE blocks SET state = 'OWNED', owner = ?, epoch = ?, refs = 1 WHERE id = ? AND state = 'FREE'",
+                ((worker, epoch, i) for i in ids),
+            )
+        return ids
+
+    def _owned(self, c: sqlite3.Cursor, worker: str, epoch: int, block_id: int, states: tuple[str, ...]) -> str:
+        row = c.execute("SELECT state, owner, epoch FROM blocks WHERE id = ?", (block_id,)).fetchone()
+        if row is None:
+            raise LedgerError(f"no block {block_id}")
+        state, owner, block_epoch = row
+        if owner != worker or block_epoch != epoch:
+            raise FencedError(f"block {block_id} belongs to {owner} (epoch {block_epoch}), not {worker} ({epoch})")
+        if state not in states:
+            raise LedgerError(f"block {block_id} is {state}; expected one of {states}")
+        return state
+
+    def authorize_write(self, worker: str, epoch: int, block_id: int) -> None:
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value,))
+
+    def seal(self, worker: str, epoch: int, hashes: Sequence[tuple[int, bytes]]) -> None:
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            for block_id, digest in hashes:
+                if not digest:
+                    raise LedgerError(f"block {block_id}: a seal needs a content hash")
+                self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value,))
+                c.execute("UPDATE blocks SET state = 'SEALED', hash = ? WHERE id = ?", (digest, block_id))
+
+    def free(self, worker: str, epoch: int, block_ids: Sequence[int]) -> None:
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            for block_id in block_ids:
+                self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value, BlockState.SEALED.value))
+                c.execute(
+                    "UPDATE blocks SET state = 'FREE', owner = NULL, epoch = NULL, request = NULL, refs = 0, "
+                    "hash = NULL, tier = NULL WHERE id = ?",
+                    (block_id,),
+                )
+
+    def reclaim(self, worker: str) -> tuple[list[int], list[int]]:
+        with self._tx() as c:
+            row = c.execute("SELECT state FROM leases WHERE worker = ?", (worker,)).fetchone()
+            if row is None or row[0] == LeaseState.ACTIVE:
+                # Invariant 2: nothing of a worker is reassigned on suspicion; fence it first.
+                raise LedgerError(f"{worker} is not fenced; its blocks cannot be reclaimed")
+            sealed = [r[0] for r in c.execute("SELECT id FROM blocks WHERE owner = ? AND state = 'SEALED'", (worker,))]
+            partial = [r[0] for r in c.execute("SELECT id FROM blocks WHERE owner = ? AND state = 'OWNED'", (worker,))]
+            c.executemany("UPDATE blocks SET state = 'QUARANTINED', refs = 0 WHERE id = ?", ((i,) for i in partial))
+            # Sealed blocks stay sealed, ownerless: adoptable by whoever verifies their hash.
+            c.executemany("UPDATE blocks SET owner = NULL, epoch = NULL, refs = 0 WHERE id = ?", ((i,) for i in sealed))
+        return sealed, partial
+
+    def blocks(self) -> list[BlockRecord]:
+        rows = self.db.execute("SELECT id, state, owner, epoch, request, refs, hash, tier FROM blocks ORDER BY id")
+        return [BlockRecord(r[0], BlockState(r[1]), r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows]
+
+    # --- requests -----------------------------------------------------------------------------
+    def checkpoint(self, worker: str, epoch: int, records: Sequence[RequestCheckpoint]) -> None:
+        now = self.clock()
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            for r in records:
+                row = c.execute("SELECT owner FROM requests WHERE id = ?", (r.request_id,)).fetchone()
+                if row is not None and row[0] not in (None, worker):
+                    raise FencedError(f"request {r.request_id} belongs to {row[0]}, not {worker}")
+                c.execute(
+                    "INSERT OR REPLACE INTO requests (id, prompt, params, generated, delivered, owner, epoch, phase, "
+                    "blocks, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        r.request_id,
+                        _ids(r.prompt_ids),
+                        r.params,
+                        _ids(r.generated_ids),
+                        r.delivered,
+                        worker,
+                        epoch,
+                        r.phase,
+                        _ids(r.block_table),
+                        now,
+                    ),
+                )
+
+    @staticmethod
+    def _request_row(r: tuple) -> RequestCheckpoint:
+        return RequestCheckpoint(r[0], _unids(r[1]), r[2], _unids(r[3]), r[4], r[7], _unids(r[8]), r[5], r[6])
+
+    _REQUEST_COLUMNS = "id, prompt, params, generated, delivered, owner, epoch, phase, blocks"
+
+    def request(self, request_id: str) -> RequestCheckpoint | None:
+        row = self.db.execute(f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE id = ?", (request_id,)).fetchone()
+        return None if row is None else self._request_row(row)
+
+    def requests(self, owner: str | None = None) -> list[RequestCheckpoint]:
+        if owner is None:
+            rows = self.db.execute(f"SELECT {self._REQUEST_COLUMNS} FROM requests ORDER BY id")
+        else:
+            rows = self.db.execute(
+                f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE owner = ? ORDER BY id", (owner,)
+            )
+        return [self._request_row(r) for r in rows]

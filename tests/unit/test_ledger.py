@@ -1,0 +1,168 @@
+"""SQLite ledger: leases and fencing epochs, block states, checkpoints, and a history checker."""
+
+from __future__ import annotations
+
+import pytest
+
+from steadfast.kv.history import Op, RecordingLedger, check_history
+from steadfast.kv.ledger import BlockState, FencedError, LeaseHeldError, LedgerError, RequestCheckpoint
+from steadfast.kv.sqlite_ledger import SqliteLedger
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def ledger(tmp_path, clock):
+    led = SqliteLedger(str(tmp_path / "ledger.db"), clock=clock)
+    led.format(8)
+    yield led
+    led.close()
+
+
+def test_epochs_strictly_increase_and_fence_blocks_every_write(ledger, clock):
+    a = ledger.acquire_lease("w0", pid=11, ttl_s=5)
+    b = ledger.acquire_lease("w1", pid=12, ttl_s=5)
+    assert b.epoch > a.epoch
+    blocks = ledger.grant("w0", a.epoch, 3)
+    assert blocks == [0, 1, 2]
+    new = ledger.fence("w0")
+    assert new > b.epoch
+    for write in (
+        lambda: ledger.renew_lease("w0", a.epoch, 5),
+        lambda: ledger.grant("w0", a.epoch, 1),
+        lambda: ledger.authorize_write("w0", a.epoch, 0),
+        lambda: ledger.seal("w0", a.epoch, [(0, b"h")]),
+        lambda: ledger.free("w0", a.epoch, [0]),
+        lambda: ledger.checkpoint("w0", a.epoch, []),
+    ):
+        with pytest.raises(FencedError):
+            write()
+    # Guessing the new epoch does not help: the lease is fenced, not active.
+    with pytest.raises(FencedError):
+        ledger.grant("w0", new, 1)
+    assert ledger.check_integrity(clock.now) == []
+
+
+def test_expired_lease_refuses_writes_before_anyone_fences_it(ledger, clock):
+    lease = ledger.acquire_lease("w0", 1, ttl_s=5)
+    clock.now += 4
+    ledger.renew_lease("w0", lease.epoch, 5)
+    clock.now += 5.5
+    with pytest.raises(FencedError, match="expired"):
+        ledger.grant("w0", lease.epoch, 1)
+    with pytest.raises(FencedError):
+        ledger.renew_lease("w0", lease.epoch, 5)  # cannot renew its way back
+
+
+def test_a_live_lease_cannot_be_taken_twice(ledger, clock):
+    ledger.acquire_lease("w0", 1, ttl_s=5)
+    with pytest.raises(LeaseHeldError):
+        ledger.acquire_lease("w0", 2, ttl_s=5)
+    clock.now += 6
+    assert ledger.acquire_lease("w0", 2, ttl_s=5).pid == 2
+
+
+def test_block_lifecycle_and_reclaim_after_fence(ledger, clock):
+    lease = ledger.acquire_lease("w0", 1, ttl_s=5)
+    e = lease.epoch
+    assert ledger.grant("w0", e, 3) == [0, 1, 2]
+    ledger.seal("w0", e, [(0, b"h0"), (1, b"h1")])
+    with pytest.raises(LedgerError):
+        ledger.seal("w0", e, [(0, b"again")])  # sealed blocks never change
+    with pytest.raises(LedgerError):
+        ledger.authorize_write("w0", e, 1)
+    ledger.authorize_write("w0", e, 2)
+    ledger.free("w0", e, [1])
+    with pytest.raises(LedgerError):
+        ledger.reclaim("w0")  # not fenced: nothing is taken on suspicion
+    ledger.fence("w0")
+    sealed, quarantined = ledger.reclaim("w0")
+    assert (sealed, quarantined) == ([0], [2])
+    states = {b.block_id: b.state for b in ledger.blocks()}
+    assert states[0] == BlockState.SEALED and states[1] == BlockState.FREE and states[2] == BlockState.QUARANTINED
+    assert ledger.check_integrity(clock.now) == []
+
+
+def test_grant_returns_what_is_free(ledger):
+    e = ledger.acquire_lease("w0", 1, 5).epoch
+    assert ledger.grant("w0", e, 6) == list(range(6))
+    assert ledger.grant("w0", e, 6) == [6, 7]
+    assert ledger.grant("w0", e, 6) == []
+
+
+def test_checkpoints_round_trip_and_are_owned(ledger):
+    e0 = ledger.acquire_lease("w0", 1, 5).epoch
+    e1 = ledger.acquire_lease("w1", 2, 5).epoch
+    rec = RequestCheckpoint("r1", [1, 2, 3], '{"seed": 7}', [9, 8], delivered=2, phase="decode", block_table=[4, 5])
+    ledger.checkpoint("w0", e0, [rec])
+    got = ledger.request("r1")
+    assert (got.prompt_ids, got.generated_ids, got.delivered, got.block_table) == ([1, 2, 3], [9, 8], 2, [4, 5])
+    assert (got.owner, got.epoch, got.phase) == ("w0", e0, "decode")
+    with pytest.raises(FencedError):
+        ledger.checkpoint("w1", e1, [rec])  # another worker's request
+    assert [r.request_id for r in ledger.requests("w0")] == ["r1"]
+
+
+def test_reopened_ledger_keeps_everything(tmp_path, clock):
+    path = str(tmp_path / "l.db")
+    led = SqliteLedger(path, clock=clock)
+    led.format(4)
+    e = led.acquire_lease("w0", 1, 5).epoch
+    led.grant("w0", e, 2)
+    led.close()
+    again = SqliteLedger(path, clock=clock)
+    again.format(4)
+    assert [b.owner for b in again.blocks()] == ["w0", "w0", None, None]
+    with pytest.raises(LedgerError):
+        again.format(5)
+    again.close()
+
+
+def test_integrity_check_reports_a_tampered_block(ledger, clock):
+    e = ledger.acquire_lease("w0", 1, 5).epoch
+    ledger.grant("w0", e, 1)
+    ledger.db.execute("UPDATE blocks SET epoch = 999 WHERE id = 0")
+    assert any("epoch 999" in p for p in ledger.check_integrity(clock.now))
+
+
+def test_history_checker_flags_each_broken_invariant():
+    bad = [
+        Op(0, "acquire_lease", ("w0", 1, 5), True, result=type("L", (), {"epoch": 5})()),
+        Op(1, "grant", ("w0", 5, 1), True, result=[0]),
+        Op(2, "fence", ("w0",), True, result=6),
+        Op(3, "seal", ("w0", 5, [(0, b"h")]), True),  # stale epoch accepted
+        Op(4, "acquire_lease", ("w1", 2, 5), True, result=type("L", (), {"epoch": 7})()),
+        Op(5, "grant", ("w1", 7, 1), True, result=[0]),  # second owner
+        Op(6, "authorize_write", ("w1", 7, 0), True),  # sealed block changed
+        Op(7, "reclaim", ("w1",), True, result=([], [])),  # unfenced
+    ]
+    problems = check_history(bad)
+    assert any("stale epoch" in p for p in problems)
+    assert any("while owned by w0" in p for p in problems)
+    assert any("sealed block 0 changed" in p for p in problems)
+    assert any("reclaimed while its lease is active" in p for p in problems)
+
+
+def test_recorded_history_of_a_real_run_is_clean(ledger, clock):
+    rec = RecordingLedger(ledger)
+    e = rec.acquire_lease("w0", 1, 5).epoch
+    rec.grant("w0", e, 2)
+    rec.fence("w0")
+    with pytest.raises(FencedError):
+        rec.seal("w0", e, [(0, b"h")])
+    rec.reclaim("w0")
+    assert [op.ok for op in rec.history] == [True, True, True, False, True]
+    assert check_history(rec.history) == []

@@ -1,0 +1,147 @@
+"""Property-based test of the ledger's block state machine, leases and epochs (hypothesis stateful).
+
+Random sequences of acquire / renew / grant / write / seal / free / clock advance / lease expiry +
+fencing / reclaim, with injected crashes inside transactions, must never break an invariant of
+ARCHITECTURE.md §2: the ledger's own integrity check and the history checker stay clean throughout.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from steadfast.kv.history import RecordingLedger, check_history
+from steadfast.kv.ledger import BlockState, LeaseState, LedgerError
+from steadfast.kv.sqlite_ledger import SqliteLedger
+
+pytestmark = pytest.mark.unit
+
+WORKERS = ("w0", "w1", "w2")
+BLOCKS = 12
+TTL = 3.0
+STALE = st.sampled_from([False, False, False, True])  # mostly the current epoch, sometimes a stale one
+
+
+class InjectedCrash(Exception):
+    """Stands for the process dying after its writes but before COMMIT."""
+
+
+class CrashableLedger(SqliteLedger):
+    crash_next = False
+
+    @contextmanager
+    def _tx(self):
+        with super()._tx() as c:
+            yield c
+            if self.crash_next:
+                self.crash_next = False
+                raise InjectedCrash()
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="ledger-prop-")
+        self.now = 0.0
+        self.inner = CrashableLedger(str(Path(self.dir) / "l.db"), clock=lambda: self.now)
+        self.inner.format(BLOCKS)
+        self.ledger = RecordingLedger(self.inner)
+        self.epochs: dict[str, list[int]] = {w: [] for w in WORKERS}  # every epoch each worker ever held
+
+    def teardown(self) -> None:
+        self.inner.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _try(self, fn, *args):
+        name = fn.__name__
+        try:
+            result = fn(*args)
+        except (LedgerError, InjectedCrash) as exc:
+            event(f"{name}: {type(exc).__name__}")
+            return None
+        event(f"{name}: accepted")
+        return result
+
+    def _epoch(self, worker: str, stale: bool) -> int:
+        held = self.epochs[worker]
+        if not held:
+            return 1
+        return held[0] if stale else held[-1]
+
+    def _owned(self, worker: str, states: tuple[BlockState, ...]) -> list[int]:
+        return [b.block_id for b in self.inner.blocks() if b.owner == worker and b.state in states]
+
+    @rule()
+    def crash_inside_next_transaction(self) -> None:
+        self.inner.crash_next = True
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def acquire(self, worker: str) -> None:
+        lease = self._try(self.ledger.acquire_lease, worker, 100, TTL)
+        if lease is not None:
+            self.epochs[worker].append(lease.epoch)
+
+    @rule(worker=st.sampled_from(WORKERS), stale=STALE)
+    def renew(self, worker: str, stale: bool) -> None:
+        self._try(self.ledger.renew_lease, worker, self._epoch(worker, stale), TTL)
+
+    @rule(dt=st.floats(min_value=0.0, max_value=1.5))
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+
+    @rule()
+    def expire_and_fence(self) -> None:
+        for lease in self.inner.leases():
+            if lease.state == LeaseState.ACTIVE and lease.expires < self.now:
+                epoch = self._try(self.ledger.fence, lease.worker)
+                if epoch is not None:
+                    self.epochs[lease.worker].append(epoch)
+
+    @rule(worker=st.sampled_from(WORKERS), stale=STALE, count=st.integers(1, 4))
+    def grant(self, worker: str, stale: bool, count: int) -> None:
+        self._try(self.ledger.grant, worker, self._epoch(worker, stale), count)
+
+    @rule(worker=st.sampled_from(WORKERS), stale=STALE, block=st.integers(0, BLOCKS - 1))
+    def write(self, worker: str, stale: bool, block: int) -> None:
+        self._try(self.ledger.authorize_write, worker, self._epoch(worker, stale), block)
+
+    @rule(worker=st.sampled_from(WORKERS), stale=STALE, pick=st.integers(0, BLOCKS))
+    def seal(self, worker: str, stale: bool, pick: int) -> None:
+        owned = self._owned(worker, (BlockState.OWNED,)) or [pick % BLOCKS]
+        block = owned[pick % len(owned)]
+        self._try(self.ledger.seal, worker, self._epoch(worker, stale), [(block, b"h%d" % block)])
+
+    @rule(worker=st.sampled_from(WORKERS), stale=STALE, take=st.integers(0, 3))
+    def free(self, worker: str, stale: bool, take: int) -> None:
+        owned = self._owned(worker, (BlockState.OWNED, BlockState.SEALED))
+        self._try(self.ledger.free, worker, self._epoch(worker, stale), owned[: take + 1] if owned else [take])
+
+    @precondition(lambda self: any(lease.state != LeaseState.ACTIVE for lease in self.inner.leases()))
+    @rule(worker=st.sampled_from(WORKERS))
+    def reclaim(self, worker: str) -> None:
+        self._try(self.ledger.reclaim, worker)
+
+    @invariant()
+    def ledger_is_consistent(self) -> None:
+        assert self.inner.check_integrity(self.now) == []
+
+    @invariant()
+    def history_is_clean(self) -> None:
+        assert check_history(self.ledger.history) == []
+
+    @invariant()
+    def no_block_has_two_owners(self) -> None:
+        for b in self.inner.blocks():
+            if b.state == BlockState.FREE:
+                assert b.owner is None
+
+
+LedgerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+TestLedgerStateMachine = LedgerMachine.TestCase
