@@ -83,3 +83,46 @@ def decode_to_worker(data: bytes) -> AddRequest | AbortRequest:
 
 def decode_from_worker(data: bytes) -> StepOutputs | WorkerStatus:
     return _from_worker.decode(data)
+
+
+# --- worker ↔ kvpool daemon (request / reply) ------------------------------------------------------
+
+
+class PoolRegister(msgspec.Struct, tag="register", array_like=True):
+    worker: str
+    pid: int
+
+
+class PoolGrant(msgspec.Struct, tag="grant", array_like=True):
+    worker: str
+    epoch: int
+    count: int
+
+
+class PoolRelease(msgspec.Struct, tag="release", array_like=True):
+    worker: str
+    epoch: int
+    block_ids: list[int]
+
+
+class PoolReply(msgspec.Struct, array_like=True, omit_defaults=True):
+    ok: bool
+    epoch: int = 0
+    block_ids: list[int] = []
+    arena_path: str = ""
+    ledger_path: str = ""
+    error: str = ""
+    fenced: bool = False
+
+
+ToPool = PoolRegister | PoolGrant | PoolRelease
+_to_pool = msgspec.msgpack.Decoder(ToPool)
+_pool_reply = msgspec.msgpack.Decoder(PoolReply)
+
+
+def decode_to_pool(data: bytes) -> PoolRegister | PoolGrant | PoolRelease:
+    return _to_pool.decode(data)
+
+
+def decode_pool_reply(data: bytes) -> PoolReply:
+    return _pool_reply.decode(data)

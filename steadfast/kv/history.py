@@ -13,7 +13,16 @@ from typing import Any
 from steadfast.kv.ledger import Lease, Ledger
 
 # Calls that carry (worker, epoch) as their first two arguments and write.
-_EPOCH_WRITES = {"renew_lease", "release_lease", "grant", "authorize_write", "seal", "free", "checkpoint"}
+_EPOCH_WRITES = {
+    "renew_lease",
+    "release_lease",
+    "grant",
+    "authorize_write",
+    "seal",
+    "unseal",
+    "free",
+    "checkpoint",
+}
 
 
 @dataclass
@@ -51,6 +60,19 @@ class RecordingLedger:
         return call
 
 
+def _expanded(history: list[Op]) -> list[Op]:
+    """`seal_and_unseal` checked as what it is: its unseals, then its seals."""
+    out = []
+    for op in history:
+        if op.name == "seal_and_unseal":
+            worker, epoch, seals, unseals = op.args
+            out.append(Op(op.seq, "unseal", (worker, epoch, list(unseals)), op.ok))
+            out.append(Op(op.seq, "seal", (worker, epoch, list(seals)), op.ok))
+        else:
+            out.append(op)
+    return out
+
+
 def check_history(history: list[Op]) -> list[str]:
     """Every invariant the accepted operations of `history` break, in order; empty when none."""
     problems: list[str] = []
@@ -58,7 +80,7 @@ def check_history(history: list[Op]) -> list[str]:
     active: dict[str, bool] = {}
     owner: dict[int, tuple[str, int]] = {}  # block -> (worker, epoch) while granted
     sealed: set[int] = set()
-    for op in history:
+    for op in _expanded(history):
         if not op.ok:
             continue
         a = op.args
@@ -91,6 +113,11 @@ def check_history(history: list[Op]) -> list[str]:
                         problems.append(f"#{op.seq}: {op.name} on block {b} not owned by {worker}/{used}")
                 if op.name == "seal":
                     sealed.update(ids)
+            elif op.name == "unseal":
+                for b in a[2]:
+                    if owner.get(b) != (worker, used) or b not in sealed:
+                        problems.append(f"#{op.seq}: unseal of block {b} that {worker}/{used} had not sealed")
+                    sealed.discard(b)
             elif op.name == "free":
                 for b in a[2]:
                     owner.pop(b, None)

@@ -113,7 +113,17 @@ class Ledger(abc.ABC):
         """Raise unless the worker may change this block's bytes now."""
 
     @abc.abstractmethod
-    def seal(self, worker: str, epoch: int, hashes: Sequence[tuple[int, bytes]]) -> None: ...
+    def seal_and_unseal(
+        self, worker: str, epoch: int, seals: Sequence[tuple[int, bytes]], unseals: Sequence[int]
+    ) -> None:
+        """One transaction: `unseals` go SEALED → OWNED (their owner refills them), then `seals` go
+        OWNED → SEALED with their content hash. Unseals first, so no sealed byte is ever rewritten."""
+
+    def seal(self, worker: str, epoch: int, hashes: Sequence[tuple[int, bytes]]) -> None:
+        self.seal_and_unseal(worker, epoch, hashes, ())
+
+    def unseal(self, worker: str, epoch: int, block_ids: Sequence[int]) -> None:
+        self.seal_and_unseal(worker, epoch, (), block_ids)
 
     @abc.abstractmethod
     def free(self, worker: str, epoch: int, block_ids: Sequence[int]) -> None: ...

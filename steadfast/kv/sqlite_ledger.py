@@ -188,10 +188,15 @@ class SqliteLedger(Ledger):
             self._check_lease(c, worker, epoch)
             self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value,))
 
-    def seal(self, worker: str, epoch: int, hashes: Sequence[tuple[int, bytes]]) -> None:
+    def seal_and_unseal(
+        self, worker: str, epoch: int, seals: Sequence[tuple[int, bytes]], unseals: Sequence[int]
+    ) -> None:
         with self._tx() as c:
             self._check_lease(c, worker, epoch)
-            for block_id, digest in hashes:
+            for block_id in unseals:
+                self._owned(c, worker, epoch, block_id, (BlockState.SEALED.value,))
+                c.execute("UPDATE blocks SET state = 'OWNED', hash = NULL WHERE id = ?", (block_id,))
+            for block_id, digest in seals:
                 if not digest:
                     raise LedgerError(f"block {block_id}: a seal needs a content hash")
                 self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value,))

@@ -1,0 +1,139 @@
+"""The kvpool daemon: owns a node's KV arena and is the only writer of block ownership in its ledger.
+
+Workers map the arena and ask the pool for blocks in batches (so their hot path rarely waits on it).
+The pool is also the lease arbiter: a lease past its expiry is fenced (epoch bumped) at once, but the
+worker's blocks are reclaimed only once its process is confirmed gone on this node (invariant 2).
+The daemon keeps no state of its own beyond the arena and the ledger, so when it restarts it simply
+re-attaches both and carries on; running workers never notice more than a retried request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import zmq
+
+from steadfast import protocol
+from steadfast.config import Config, config_from_dict
+from steadfast.ipc import die_with_parent, setup_logging
+from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.ledger import LeaseState, LedgerError
+from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.protocol import PoolGrant, PoolRegister, PoolRelease, PoolReply
+
+log = logging.getLogger("steadfast.kvpool")
+
+
+def process_gone(pid: int) -> bool:
+    """True when `pid` no longer runs on this node (a zombie awaiting its parent counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+class KVPool:
+    def __init__(self, cfg: Config, arena_path: str, ledger_path: str, spec: ArenaSpec) -> None:
+        self.cfg = cfg
+        self.ttl_s = cfg.fault_recovery.lease.lease_timeout_ms / 1000
+        if Path(arena_path).exists():
+            self.arena = KVArena.attach(arena_path)  # a restart: the bytes are still there
+            log.info("re-attached KV arena %s (%d blocks)", arena_path, self.arena.spec.num_blocks)
+        else:
+            self.arena = KVArena.create(arena_path, spec)
+        self.ledger_path = ledger_path
+        self.ledger = SqliteLedger(ledger_path)
+        self.ledger.format(self.arena.spec.num_blocks)
+        self.fenced_at: dict[str, float] = {}
+
+    def handle(self, msg: PoolRegister | PoolGrant | PoolRelease) -> PoolReply:
+        try:
+            if isinstance(msg, PoolRegister):
+                return self._register(msg)
+            if isinstance(msg, PoolGrant):
+                return PoolReply(True, msg.epoch, self.ledger.grant(msg.worker, msg.epoch, msg.count))
+            self.ledger.free(msg.worker, msg.epoch, msg.block_ids)
+            return PoolReply(True, msg.epoch)
+        except LedgerError as exc:
+            fenced = type(exc).__name__ == "FencedError"
+            return PoolReply(False, error=str(exc), fenced=fenced)
+
+    def _register(self, msg: PoolRegister) -> PoolReply:
+        old = self.ledger.lease(msg.worker)
+        if old is not None and old.pid != msg.pid and old.state == LeaseState.ACTIVE and process_gone(old.pid):
+            # The previous incarnation died without its lease expiring yet: fence it now, it is gone.
+            self.ledger.fence(msg.worker)
+            old = self.ledger.lease(msg.worker)
+        if old is not None and old.state != LeaseState.ACTIVE and process_gone(old.pid):
+            self.ledger.reclaim(msg.worker)
+        lease = self.ledger.acquire_lease(msg.worker, msg.pid, self.ttl_s)
+        log.info("%s (pid %d) registered with epoch %d", msg.worker, msg.pid, lease.epoch)
+        return PoolReply(True, lease.epoch, arena_path=self.arena.path, ledger_path=self.ledger_path)
+
+    def arbitrate(self) -> None:
+        """Fence expired leases; reclaim the blocks of fenced workers whose process is gone."""
+        now = time.monotonic()
+        for lease in self.ledger.leases():
+            if lease.state == LeaseState.ACTIVE and lease.expires < now:
+                epoch = self.ledger.fence(lease.worker)
+                log.warning("lease of %s (pid %d) expired: fenced, epoch now %d", lease.worker, lease.pid, epoch)
+            elif lease.state == LeaseState.FENCED and process_gone(lease.pid):
+                sealed, quarantined = self.ledger.reclaim(lease.worker)
+                if sealed or quarantined:
+                    log.warning(
+                        "reclaimed %s: %d sealed kept, %d quarantined", lease.worker, len(sealed), len(quarantined)
+                    )
+
+    def close(self) -> None:
+        self.ledger.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Steadfast kvpool daemon")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--address", required=True, help="ZeroMQ address to bind for workers")
+    parser.add_argument("--arena", required=True)
+    parser.add_argument("--ledger", required=True)
+    parser.add_argument("--spec-json", required=True, help="arena spec, used when creating it")
+    parser.add_argument("--ready-file", help="written once the pool serves")
+    args = parser.parse_args()
+    die_with_parent()
+    setup_logging("kvpool")
+    cfg = config_from_dict(json.loads(args.config_json))
+    pool = KVPool(cfg, args.arena, args.ledger, ArenaSpec(**json.loads(args.spec_json)))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(args.address)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    if args.ready_file:
+        Path(args.ready_file).write_text(str(os.getpid()))
+    tick = cfg.fault_recovery.lease.renew_interval_ms / 1000
+    next_tick = time.monotonic()
+    while not stop["now"]:
+        if sock.poll(max(1, int((next_tick - time.monotonic()) * 1000))):
+            ident, body = sock.recv_multipart()
+            reply = pool.handle(protocol.decode_to_pool(body))
+            sock.send_multipart([ident, protocol.encode(reply)])
+        if time.monotonic() >= next_tick:
+            pool.arbitrate()
+            next_tick = time.monotonic() + tick
+    pool.close()
+    ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()
