@@ -15,6 +15,7 @@ This module never decides who owns a block: that is the block manager's (and lat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -110,6 +111,11 @@ class KVArena:
     def block(self, block_id: int) -> torch.Tensor:
         """A copy of one block's bytes: `[num_layers, 2, kv_heads, block_size, head_dim]`."""
         return self.tensor[:, :, :, block_id].clone()
+
+    def digest(self, block_id: int) -> bytes:
+        """Content hash of one block's bytes (every layer's K and V), to seal it and verify it later."""
+        data = self.tensor[:, :, :, block_id].contiguous()
+        return hashlib.blake2b(data.view(torch.uint8).numpy(), digest_size=16).digest()
 
     def unlink(self) -> None:
         for p in (Path(self.path), _spec_path(self.path)):

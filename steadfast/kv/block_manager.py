@@ -14,7 +14,7 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -36,18 +36,37 @@ class Block:
 
 @dataclass(frozen=True)
 class BlockEvent:
-    kind: Literal["stored", "removed"]
+    kind: Literal["stored", "removed", "released"]  # released: given back to the pool
     block_id: int
     hash: bytes
 
 
+class BlockSource(Protocol):
+    """Where blocks come from when the arena is shared: the kvpool grants them in batches."""
+
+    def grant(self, count: int) -> list[int]: ...
+
+    def release(self, block_ids: list[int]) -> None: ...
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        source: BlockSource | None = None,
+        grant_batch: int = 64,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.source = source
+        self.grant_batch = grant_batch
+        # Blocks this manager may hand out: all of them, or those the pool granted.
+        self._held: set[int] = set() if source else set(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in sorted(self._held))
         self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         # request -> (how many of its leading blocks are named, the last one's hash)
@@ -63,7 +82,30 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return len(self._held) - len(self._free)
+
+    def _ensure_free(self, count: int) -> bool:
+        """Have at least `count` local free blocks, asking the pool for a batch when short."""
+        if len(self._free) < count and self.source is not None:
+            granted = self.source.grant(max(count - len(self._free), self.grant_batch))
+            for block_id in granted:
+                self._held.add(block_id)
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)  # fresh blocks carry no cache value
+        return len(self._free) >= count
+
+    def _release_surplus(self) -> None:
+        """Give the pool back unhashed free blocks beyond a few batches, so other workers can have them."""
+        if self.source is None:
+            return
+        spare = [b for b in self._free if self.blocks[b].hash is None]
+        surplus = spare[: max(0, len(spare) - 4 * self.grant_batch)]
+        if surplus:
+            for block_id in surplus:
+                del self._free[block_id]
+                self._held.discard(block_id)
+                self.events.append(BlockEvent("released", block_id, b""))
+            self.source.release(surplus)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -103,7 +145,7 @@ class BlockManager:
             raise ValueError(f"request {request_id} already holds blocks; a prefix is only taken on first allocation")
         reused_free = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
         new_count = self.blocks_needed(num_tokens) - len(table) - len(prefix)
-        if new_count > 0 and new_count > self.num_free - reused_free:
+        if new_count > 0 and not self._ensure_free(new_count + reused_free):
             return None
         if request_id not in self._tables:
             self._tables[request_id] = table
@@ -164,6 +206,7 @@ class BlockManager:
                 if block.hash is None:
                     # Nothing to remember: hand it out before any cached block.
                     self._free.move_to_end(block_id, last=False)
+        self._release_surplus()
 
     def _forget_hash(self, block: Block) -> None:
         if block.hash is not None:
@@ -181,6 +224,9 @@ class BlockManager:
                 counts[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == counts[block.block_id], f"block {block.block_id} refcount mismatch"
+            if block.block_id not in self._held:
+                assert block.ref_count == 0 and block.block_id not in self._free, f"block {block.block_id} not held"
+                continue
             assert (block.block_id in self._free) == (block.ref_count == 0), f"block {block.block_id} free-state"
             if block.hash is not None:
                 assert self._cached.get(block.hash) == block.block_id, f"block {block.block_id} not in cache index"

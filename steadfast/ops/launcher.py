@@ -1,7 +1,8 @@
-"""`steadfast serve`: create the KV arenas, start workers and the router, wait until healthy, watch.
+"""`steadfast serve`: start the kvpool daemon, the workers and the router; wait until healthy; watch.
 
-The launcher owns the arena files (a stand-in for the kvpool daemon to come) so their memory does not
-belong to any engine process. Nothing is reported as serving before /health says every worker is ready.
+The kvpool daemon creates the node's KV arena and ledger, so that memory belongs to no engine process
+(with `external_ledger: false`, the launcher makes one private arena per worker instead). Nothing is
+reported as serving before /health says every worker is ready.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 
 import httpx
 
 from steadfast.config import Config
-from steadfast.kv.arena import KVArena
+from steadfast.kv.arena import ArenaSpec, KVArena
 from steadfast.model.gguf_loader import open_gguf, read_config
 from steadfast.worker.engine import arena_spec
 
@@ -45,6 +46,8 @@ class Launcher:
     run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="steadfast-")))
     children: list[Child] = field(default_factory=list)
     arenas: list[KVArena] = field(default_factory=list)
+    shared_files: list[str] = field(default_factory=list)
+    pool_args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -56,11 +59,19 @@ class Launcher:
         spec = arena_spec(cfg, model_cfg)
         cfg_json = json.dumps(cfg.to_dict())
         output = f"ipc://{self.run_dir}/outputs"
-        inputs = []
         tag = f"steadfast-{os.getpid()}-{self.run_dir.name}"
+        if cfg.fault_recovery.kv_cache.external_ledger:
+            # One arena for the node, owned by the kvpool daemon, which grants blocks to every worker.
+            memory = self._start_pool(cfg_json, spec, str(Path(cfg.cache.arena_dir) / f"{tag}.kv"))
+            where = ["--pool", self.pool_address]
+        else:
+            memory = None
+        inputs = []
         for i in range(cfg.server.workers):
-            arena = KVArena.create(str(Path(cfg.cache.arena_dir) / f"{tag}-w{i}.kv"), spec)
-            self.arenas.append(arena)
+            if memory is None:
+                arena = KVArena.create(str(Path(cfg.cache.arena_dir) / f"{tag}-w{i}.kv"), spec)
+                self.arenas.append(arena)
+                where = ["--arena", arena.path]
             address = f"ipc://{self.run_dir}/worker{i}"
             inputs.append(address)
             self._spawn(
@@ -75,8 +86,7 @@ class Launcher:
                     address,
                     "--output",
                     output,
-                    "--arena",
-                    arena.path,
+                    *where,
                 ],
             )
         router_args = ["steadfast.control.main", "--config-json", cfg_json, "--output", output]
@@ -84,12 +94,46 @@ class Launcher:
             router_args += ["--worker", address]
         self._spawn("router", router_args)
         log.info(
-            "KV arena: %d blocks x %d tokens (%.0f MiB) per worker",
+            "KV arena: %d blocks x %d tokens (%.0f MiB)%s",
             spec.num_blocks,
             spec.block_size,
             spec.nbytes / 2**20,
+            " shared by the workers" if memory else " per worker",
         )
         self._wait_healthy()
+
+    @property
+    def pool_address(self) -> str:
+        return f"ipc://{self.run_dir}/kvpool"
+
+    def _start_pool(self, cfg_json: str, spec: ArenaSpec, arena_path: str) -> str:
+        ledger = self.cfg.fault_recovery.kv_cache.ledger_path or str(self.run_dir / "ledger.db")
+        ready = self.run_dir / "kvpool.ready"
+        self.pool_args = [
+            "steadfast.kv.pool",
+            "--config-json",
+            cfg_json,
+            "--address",
+            self.pool_address,
+            "--arena",
+            arena_path,
+            "--ledger",
+            ledger,
+            "--spec-json",
+            json.dumps(asdict(spec)),
+            "--ready-file",
+            str(ready),
+        ]
+        self.shared_files = [arena_path, arena_path + ".json"]
+        if not self.cfg.fault_recovery.kv_cache.ledger_path:
+            self.shared_files += [ledger, ledger + "-wal", ledger + "-shm"]
+        self._spawn("kvpool", self.pool_args)
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if self.children[-1].proc.poll() is not None or time.monotonic() > deadline:
+                raise StartupError("the kvpool daemon did not start")
+            time.sleep(0.05)
+        return arena_path
 
     def _spawn(self, name: str, args: list[str]) -> None:
         proc = subprocess.Popen([sys.executable, "-m", *args])
@@ -145,4 +189,6 @@ class Launcher:
                 c.proc.wait()
         for arena in self.arenas:
             arena.unlink()
+        for path in self.shared_files:
+            Path(path).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)

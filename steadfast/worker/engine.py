@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 from steadfast.config import Config
 from steadfast.kv.arena import TORCH_DTYPES, ArenaSpec, KVArena
-from steadfast.kv.block_manager import BlockManager
+from steadfast.kv.block_manager import BlockManager, BlockSource
 from steadfast.model.gguf_loader import LlamaConfig, load_weights, open_gguf, read_config
 from steadfast.model.llama import LlamaModel
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.protocol import AddRequest, RequestOutput
 from steadfast.worker.detokenizer import Detokenizer
+from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.request import Request, Status
 from steadfast.worker.runner import ModelRunner
 from steadfast.worker.sampler import sample
@@ -67,12 +68,22 @@ def load_model(cfg: Config) -> LoadedModel:
 
 
 class Engine:
-    def __init__(self, cfg: Config, loaded: LoadedModel, arena: KVArena) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        loaded: LoadedModel,
+        arena: KVArena,
+        source: BlockSource | None = None,
+        sync: LedgerSync | None = None,
+    ) -> None:
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.arena = arena
-        self.blocks = BlockManager(arena.spec.num_blocks, arena.spec.block_size, cfg.cache.enable_prefix_caching)
+        self.blocks = BlockManager(
+            arena.spec.num_blocks, arena.spec.block_size, cfg.cache.enable_prefix_caching, source=source
+        )
+        self.sync = sync
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)
         self.runner = ModelRunner(loaded.model, arena, self.blocks)
         self.requests: dict[str, Request] = {}
@@ -117,6 +128,8 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         request.status = Status.FINISHED
         request.finish_reason = reason
+        if self.sync is not None:
+            self.sync.finished(request)
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
 
@@ -126,12 +139,16 @@ class Engine:
         if scheduled.empty:
             return outputs
         t0 = time.perf_counter()
+        if self.sync is not None:
+            self.sync.before_execute(self.blocks)
         logits, samplers = self.runner.execute(scheduled)
         self._advance(scheduled)
         tokens = sample(logits, [r.params for r in samplers], [len(r.output_ids) for r in samplers])
         for request, token in zip(samplers, tokens, strict=True):
             outputs.append(self._append(request, token))
         self.steps += 1
+        if self.sync is not None:
+            self.sync.after_step(list(self.requests.values()), self.blocks)
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += time.perf_counter() - t0
         return outputs

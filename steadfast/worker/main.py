@@ -20,10 +20,14 @@ import zmq
 from steadfast.config import Config, config_from_dict, torch_threads
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena
+from steadfast.kv.pool_client import LeaseLostError, PoolClient
 from steadfast.protocol import AbortRequest, AddRequest, RequestOutput, StepOutputs, WorkerStatus
 from steadfast.worker.engine import Engine, load_model
+from steadfast.worker.ledger_sync import LedgerSync
 
 log = logging.getLogger("steadfast.worker")
+
+EXIT_LEASE_LOST = 3
 
 
 class WorkerLoop:
@@ -71,6 +75,8 @@ class WorkerLoop:
         self._report(force=True)
         interval_ms = int(self.cfg.server.status_interval_s * 1000)
         while not self.stopping:
+            if engine.sync is not None and engine.sync.lease.lost:
+                raise LeaseLostError(engine.sync.lease.lost)
             if self.inbox.poll(0 if engine.has_work else interval_ms):
                 for msg in self.inbox.drain():
                     if isinstance(msg, AddRequest):
@@ -88,6 +94,8 @@ class WorkerLoop:
     def _step(self, engine: Engine) -> list[RequestOutput]:
         try:
             return engine.step()
+        except LeaseLostError:
+            raise  # fenced: this process must stop writing at once, not fail requests and go on
         except Exception as exc:  # a bug must not strand requests: fail them loudly, keep serving
             log.exception("engine step failed; failing the requests in flight")
             failed = []
@@ -103,7 +111,8 @@ def main() -> None:
     parser.add_argument("--worker-id", type=int, required=True)
     parser.add_argument("--input", required=True, help="ZeroMQ address this worker binds for requests")
     parser.add_argument("--output", required=True, help="ZeroMQ address of the router's output socket")
-    parser.add_argument("--arena", required=True, help="path of the KV arena to map")
+    parser.add_argument("--arena", help="path of a private KV arena to map (no kvpool)")
+    parser.add_argument("--pool", help="ZeroMQ address of the node's kvpool daemon")
     parser.add_argument("--role", default="mixed")
     args = parser.parse_args()
     die_with_parent()
@@ -124,14 +133,29 @@ def main() -> None:
     outbox.send(loop.status("loading"))
     t0 = time.perf_counter()
     loaded = load_model(cfg)
-    engine = Engine(cfg, loaded, KVArena.attach(args.arena))
+    sync = None
+    if args.pool:
+        pool = PoolClient(args.pool, f"worker{args.worker_id}")
+        reply = pool.register(os.getpid())
+        arena = KVArena.attach(reply.arena_path)
+        sync = LedgerSync(cfg, pool, reply.ledger_path, arena)
+        engine = Engine(cfg, loaded, arena, source=pool, sync=sync)
+        log.info("registered with the kvpool as %s, epoch %d", pool.worker, pool.epoch)
+    else:
+        engine = Engine(cfg, loaded, KVArena.attach(args.arena))
     log.info(
         "ready in %.1fs: %d KV blocks of %d tokens",
         time.perf_counter() - t0,
         engine.blocks.num_blocks,
         engine.blocks.block_size,
     )
-    loop.run(engine)
+    try:
+        loop.run(engine)
+    except LeaseLostError as exc:
+        log.error("lease lost, every further write would be refused; exiting: %s", exc)
+        os._exit(EXIT_LEASE_LOST)  # no clean-up that could write: this process is fenced
+    if sync is not None:
+        sync.close()
     ctx.destroy(linger=1000)
 
 

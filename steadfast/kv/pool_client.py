@@ -1,0 +1,129 @@
+"""A worker's side of the pool: registration, block grants in batches, and its lease.
+
+`PoolClient` talks to the kvpool daemon (retrying across a daemon restart). `LeaseKeeper` renews the
+worker's lease from a thread and knows, locally, until when the lease is surely valid: a worker must
+not write KV bytes or ledger records past that instant, and once a renewal is refused it never writes
+again (it cannot renew its way back after being fenced).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+
+import zmq
+
+from steadfast import protocol
+from steadfast.kv.ledger import FencedError, LedgerError
+from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.protocol import PoolGrant, PoolRegister, PoolRelease, PoolReply
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLostError(RuntimeError):
+    """This worker's lease was fenced or expired: it must stop writing and exit."""
+
+
+class PoolUnavailableError(RuntimeError):
+    pass
+
+
+class PoolClient:
+    def __init__(self, address: str, worker: str, timeout_s: float = 2.0, attempts: int = 10) -> None:
+        self.address = address
+        self.worker = worker
+        self.timeout_ms = int(timeout_s * 1000)
+        self.attempts = attempts
+        self.ctx = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.epoch = 0
+
+    def _connect(self) -> zmq.Socket:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.address)
+        return self.sock
+
+    def _call(self, msg: PoolRegister | PoolGrant | PoolRelease) -> PoolReply:
+        sock = self.sock or self._connect()
+        for attempt in range(self.attempts):
+            sock.send(protocol.encode(msg))
+            if sock.poll(self.timeout_ms):
+                reply = protocol.decode_pool_reply(sock.recv())
+                if reply.fenced:
+                    raise LeaseLostError(reply.error)
+                if not reply.ok:
+                    raise LedgerError(reply.error)
+                return reply
+            # No answer: the daemon may be restarting. A fresh socket drops any stale reply.
+            log.warning("kvpool did not answer (attempt %d); retrying", attempt + 1)
+            sock = self._connect()
+        raise PoolUnavailableError(f"kvpool at {self.address} did not answer {self.attempts} times")
+
+    def register(self, pid: int) -> PoolReply:
+        reply = self._call(PoolRegister(self.worker, pid))
+        self.epoch = reply.epoch
+        return reply
+
+    def grant(self, count: int) -> list[int]:
+        return self._call(PoolGrant(self.worker, self.epoch, count)).block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self._call(PoolRelease(self.worker, self.epoch, list(block_ids)))
+
+
+class LeaseKeeper:
+    """Renews (worker, epoch) every `renew_s` on its own ledger connection."""
+
+    def __init__(self, ledger_path: str, worker: str, epoch: int, renew_s: float, ttl_s: float) -> None:
+        self.ledger = SqliteLedger(ledger_path)
+        self.worker = worker
+        self.epoch = epoch
+        self.renew_s = renew_s
+        self.ttl_s = ttl_s
+        # Trust the lease for less than its full term: a renewal written just before a stall still
+        # leaves the ledger's expiry ahead of this local deadline.
+        self.valid_until = time.monotonic() + ttl_s / 2
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def renew(self) -> None:
+        started = time.monotonic()
+        try:
+            self.ledger.renew_lease(self.worker, self.epoch, self.ttl_s)
+        except FencedError as exc:
+            self.lost = str(exc)
+            raise LeaseLostError(self.lost) from exc
+        self.valid_until = started + self.ttl_s / 2
+
+    def check(self) -> None:
+        """Raise unless the lease is surely still ours; renew at once if it is about to lapse."""
+        if self.lost:
+            raise LeaseLostError(self.lost)
+        if time.monotonic() >= self.valid_until:
+            self.renew()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.renew_s):
+            try:
+                self.renew()
+            except LeaseLostError:
+                log.error("lease of %s (epoch %d) lost: %s", self.worker, self.epoch, self.lost)
+                return
+            except (LedgerError, sqlite3.Error) as exc:  # e.g. the database busy too long: try next tick
+                log.warning("lease renewal failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.ledger.close()

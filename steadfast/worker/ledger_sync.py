@@ -1,0 +1,110 @@
+"""Keeping the ledger true to a worker's KV: seals, unseals, request checkpoints, under its lease.
+
+Per step, before the model writes any KV: check the lease is still surely ours, then in one ledger
+transaction unseal the cached blocks this step will refill and seal the blocks that filled in the last
+step (with a hash of their bytes). Every `snapshot_interval_steps` steps, checkpoint every request in
+one transaction. Any write refused for a stale epoch raises `LeaseLostError`: the worker must exit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from steadfast.config import Config
+from steadfast.kv.arena import KVArena
+from steadfast.kv.block_manager import BlockManager
+from steadfast.kv.ledger import FencedError, RequestCheckpoint
+from steadfast.kv.pool_client import LeaseKeeper, LeaseLostError, PoolClient
+from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.worker.request import Request, Status
+
+log = logging.getLogger(__name__)
+
+
+class LedgerSync:
+    def __init__(self, cfg: Config, pool: PoolClient, ledger_path: str, arena: KVArena) -> None:
+        lease_cfg = cfg.fault_recovery.lease
+        self.worker = pool.worker
+        self.epoch = pool.epoch
+        self.arena = arena
+        self.interval = cfg.fault_recovery.kv_cache.snapshot_interval_steps
+        self.ledger = SqliteLedger(ledger_path)
+        self.lease = LeaseKeeper(
+            ledger_path, self.worker, self.epoch, lease_cfg.renew_interval_ms / 1000, lease_cfg.lease_timeout_ms / 1000
+        )
+        self.lease.start()
+        self._sealed_pending: dict[int, None] = {}  # filled last step, to seal with their hash
+        self._ledger_sealed: set[int] = set()
+        self._finished: list[Request] = []
+        self.steps = 0
+        self.checkpoints = 0
+
+    def _write(self, fn, *args) -> None:  # noqa: ANN001 - a ledger method and its arguments
+        try:
+            fn(self.worker, self.epoch, *args)
+        except FencedError as exc:
+            self.lease.lost = str(exc)
+            raise LeaseLostError(str(exc)) from exc
+
+    def before_execute(self, blocks: BlockManager) -> None:
+        """Called after scheduling, before the forward pass writes KV."""
+        self.lease.check()
+        unseals: dict[int, None] = {}
+        while blocks.events:
+            event = blocks.events.popleft()
+            b = event.block_id
+            if event.kind == "stored":
+                self._sealed_pending[b] = None
+            elif event.kind == "released":  # the pool freed it already: nothing left to seal or unseal
+                self._sealed_pending.pop(b, None)
+                unseals.pop(b, None)
+                self._ledger_sealed.discard(b)
+            elif b in self._sealed_pending:
+                del self._sealed_pending[b]  # evicted before it was ever sealed
+            elif b in self._ledger_sealed:
+                unseals[b] = None
+        seals = [(b, self.arena.digest(b)) for b in self._sealed_pending if b not in unseals]
+        if seals or unseals:
+            self._write(self.ledger.seal_and_unseal, seals, list(unseals))
+            self._ledger_sealed.difference_update(unseals)
+            self._ledger_sealed.update(b for b, _ in seals)
+            self._sealed_pending.clear()
+
+    def finished(self, request: Request) -> None:
+        self._finished.append(request)
+
+    def after_step(self, requests: list[Request], blocks: BlockManager) -> None:
+        self.steps += 1
+        if self.steps % self.interval == 0:
+            self.checkpoint(requests, blocks)
+
+    def checkpoint(self, requests: list[Request], blocks: BlockManager) -> None:
+        records = [self._record(r, blocks) for r in (*requests, *self._finished)]
+        if records:
+            self._write(self.ledger.checkpoint, records)
+            self.checkpoints += 1
+        self._finished.clear()
+
+    @staticmethod
+    def _record(r: Request, blocks: BlockManager) -> RequestCheckpoint:
+        if r.status is Status.FINISHED:
+            phase = "finished"
+        elif r.status is Status.WAITING:
+            phase = "queued"
+        else:
+            phase = "prefill" if r.num_computed < len(r.prompt_ids) else "decode"
+        return RequestCheckpoint(
+            r.request_id,
+            r.prompt_ids,
+            msgspec.json.encode(r.params).decode(),
+            list(r.output_ids),
+            delivered=len(r.output_ids),
+            phase=phase,
+            block_table=list(blocks.block_table(r.request_id)),
+        )
+
+    def close(self) -> None:
+        self.lease.stop()
+        self.ledger.close()
