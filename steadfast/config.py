@@ -81,6 +81,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Where the arena file lives; /dev/shm keeps it in RAM and mappable by other processes.
     arena_dir: str = "/dev/shm"
+    # Blocks a worker asks the kvpool for at a time: larger batches, fewer round trips.
+    pool_grant_batch: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -89,6 +91,8 @@ class CacheConfig:
             raise ConfigError("cache.kv_memory_mb or cache.num_blocks must be positive")
         if self.num_blocks < 0:
             raise ConfigError("cache.num_blocks must be >= 0")
+        if self.pool_grant_batch < 1:
+            raise ConfigError("cache.pool_grant_batch must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -289,6 +293,24 @@ def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | 
     if overrides:
         cfg = cfg.replace(**{k: v for k, v in overrides.items() if v})
     return cfg
+
+
+def failpoint(name: str) -> tuple[float, int] | None:
+    """(seconds to stall, on which hit) for the named failpoint, from STEADFAST_FAILPOINTS="name=seconds[@hit],…".
+
+    Test hooks only: nothing sets this variable outside fault-injection tests.
+    """
+    for item in os.environ.get("STEADFAST_FAILPOINTS", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == name and value:
+            seconds, _, hit = value.partition("@")
+            return float(seconds), int(hit or 1)
+    return None
+
+
+def failpoint_dir() -> str | None:
+    """Where a reached failpoint leaves a marker file, so a test knows the fault really happened."""
+    return os.environ.get("STEADFAST_FAILPOINT_DIR")
 
 
 def torch_threads() -> int:

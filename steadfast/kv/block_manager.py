@@ -11,6 +11,7 @@ Every change of a block's cached identity is published as an event, the hook the
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,13 +86,16 @@ class BlockManager:
         return len(self._held) - len(self._free)
 
     def _ensure_free(self, count: int) -> bool:
-        """Have at least `count` local free blocks, asking the pool for a batch when short."""
-        if len(self._free) < count and self.source is not None:
-            granted = self.source.grant(max(count - len(self._free), self.grant_batch))
-            for block_id in granted:
-                self._held.add(block_id)
-                self._free[block_id] = None
-                self._free.move_to_end(block_id, last=False)  # fresh blocks carry no cache value
+        """Have `count` local free blocks, asking the pool for a batch before evicting cached blocks."""
+        if self.source is not None:
+            # Unhashed free blocks sit at the front of the queue: are the first `count` all unhashed?
+            fresh = sum(1 for b in itertools.islice(self._free, count) if self.blocks[b].hash is None)
+            if fresh < count:
+                # Reversed, so the queue front keeps the pool's order.
+                for block_id in reversed(self.source.grant(max(count - fresh, self.grant_batch))):
+                    self._held.add(block_id)
+                    self._free[block_id] = None
+                    self._free.move_to_end(block_id, last=False)  # fresh blocks carry no cache value
         return len(self._free) >= count
 
     def _release_surplus(self) -> None:

@@ -57,7 +57,7 @@ class KVPool:
         self.ledger_path = ledger_path
         self.ledger = SqliteLedger(ledger_path)
         self.ledger.format(self.arena.spec.num_blocks)
-        self.fenced_at: dict[str, float] = {}
+        self._reclaimed: set[tuple[str, int]] = set()  # (worker, fenced epoch) already reclaimed
 
     def handle(self, msg: PoolRegister | PoolGrant | PoolRelease) -> PoolReply:
         try:
@@ -90,8 +90,13 @@ class KVPool:
             if lease.state == LeaseState.ACTIVE and lease.expires < now:
                 epoch = self.ledger.fence(lease.worker)
                 log.warning("lease of %s (pid %d) expired: fenced, epoch now %d", lease.worker, lease.pid, epoch)
-            elif lease.state == LeaseState.FENCED and process_gone(lease.pid):
+            elif (
+                lease.state == LeaseState.FENCED
+                and (lease.worker, lease.epoch) not in self._reclaimed
+                and process_gone(lease.pid)
+            ):
                 sealed, quarantined = self.ledger.reclaim(lease.worker)
+                self._reclaimed.add((lease.worker, lease.epoch))
                 if sealed or quarantined:
                     log.warning(
                         "reclaimed %s: %d sealed kept, %d quarantined", lease.worker, len(sealed), len(quarantined)

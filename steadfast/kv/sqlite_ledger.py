@@ -6,12 +6,15 @@ together or not at all, so a writer killed mid-transaction leaves the previous c
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
+from steadfast.config import failpoint, failpoint_dir
 from steadfast.kv.ledger import (
     BlockRecord,
     BlockState,
@@ -39,6 +42,24 @@ CREATE TABLE IF NOT EXISTS requests (
     updated REAL NOT NULL);
 INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', 0);
 """
+
+
+_hits: dict[str, int] = {}
+
+
+def stall(name: str) -> None:
+    """A failpoint: when a test armed `name`, leave a marker and stall here (inside the transaction)."""
+    armed = failpoint(name)
+    if armed is None:
+        return
+    seconds, on_hit = armed
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] != on_hit:
+        return
+    folder = failpoint_dir()
+    if folder:
+        Path(folder, f"{name}.{os.getpid()}").write_text(str(time.time()))
+    time.sleep(seconds)
 
 
 def _ids(values: Sequence[int]) -> bytes:
@@ -221,7 +242,11 @@ class SqliteLedger(Ledger):
                 raise LedgerError(f"{worker} is not fenced; its blocks cannot be reclaimed")
             sealed = [r[0] for r in c.execute("SELECT id FROM blocks WHERE owner = ? AND state = 'SEALED'", (worker,))]
             partial = [r[0] for r in c.execute("SELECT id FROM blocks WHERE owner = ? AND state = 'OWNED'", (worker,))]
-            c.executemany("UPDATE blocks SET state = 'QUARANTINED', refs = 0 WHERE id = ?", ((i,) for i in partial))
+            # Partial blocks of a dead writer: nobody's, never adopted as they are (the request column stays).
+            c.executemany(
+                "UPDATE blocks SET state = 'QUARANTINED', owner = NULL, epoch = NULL, refs = 0 WHERE id = ?",
+                ((i,) for i in partial),
+            )
             # Sealed blocks stay sealed, ownerless: adoptable by whoever verifies their hash.
             c.executemany("UPDATE blocks SET owner = NULL, epoch = NULL, refs = 0 WHERE id = ?", ((i,) for i in sealed))
         return sealed, partial
@@ -255,6 +280,7 @@ class SqliteLedger(Ledger):
                         now,
                     ),
                 )
+            stall("checkpoint_commit")  # a test's failpoint: rows written, COMMIT not yet
 
     @staticmethod
     def _request_row(r: tuple) -> RequestCheckpoint:

@@ -81,7 +81,11 @@ class Engine:
         self.max_model_len = loaded.max_model_len
         self.arena = arena
         self.blocks = BlockManager(
-            arena.spec.num_blocks, arena.spec.block_size, cfg.cache.enable_prefix_caching, source=source
+            arena.spec.num_blocks,
+            arena.spec.block_size,
+            cfg.cache.enable_prefix_caching,
+            source=source,
+            grant_batch=cfg.cache.pool_grant_batch,
         )
         self.sync = sync
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)

@@ -76,6 +76,8 @@ class LedgerSync:
         self._finished.append(request)
 
     def after_step(self, requests: list[Request], blocks: BlockManager) -> None:
+        # A worker fenced while it computed must not hand out what it computed.
+        self.lease.check()
         self.steps += 1
         if self.steps % self.interval == 0:
             self.checkpoint(requests, blocks)

@@ -116,3 +116,51 @@ def test_integrity_check_catches_a_broken_refcount():
     bm.blocks[0].ref_count = 2
     with pytest.raises(AssertionError):
         bm.check_integrity()
+
+
+class FakePool:
+    """Stands in for the kvpool's grant/release (the real one is exercised in tests/chaos)."""
+
+    def __init__(self, total: int) -> None:
+        self.free = list(range(total))
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def grant(self, count: int) -> list[int]:
+        got, self.free = self.free[:count], self.free[count:]
+        self.calls.append(("grant", got))
+        return got
+
+    def release(self, block_ids: list[int]) -> None:
+        self.free.extend(block_ids)
+        self.calls.append(("release", list(block_ids)))
+
+
+def test_pool_backed_manager_grants_in_batches_and_returns_surplus():
+    pool = FakePool(40)
+    bm = BlockManager(40, BS, source=pool, grant_batch=3)
+    assert bm.num_free == 0
+    assert bm.allocate("a", 4 * BS) == [0, 1, 2, 3]  # ids come from the pool
+    assert pool.calls[0] == ("grant", [0, 1, 2, 3])  # asked for what it needed (more than a batch)
+    assert bm.allocate("b", BS) == [4]
+    assert pool.calls[1] == ("grant", [4, 5, 6])  # then a whole batch
+    bm.check_integrity()
+    for i in range(5):
+        bm.allocate(f"c{i}", 3 * BS)
+    for rid in ["a", "b", *(f"c{i}" for i in range(5))]:
+        bm.free(rid)
+    released = [ids for kind, ids in pool.calls if kind == "release"]
+    assert released and bm.num_free <= 4 * 3  # no more than four batches kept spare
+    bm.check_integrity()
+
+
+def test_pool_backed_manager_prefers_a_grant_over_evicting_the_cache():
+    pool = FakePool(40)
+    bm = BlockManager(40, BS, source=pool, grant_batch=2)
+    prompt = toks(0, 9)
+    bm.allocate("a", 9)
+    bm.commit("a", prompt, 9)
+    bm.free("a")
+    grants_before = sum(1 for kind, _ in pool.calls if kind == "grant")
+    bm.allocate("b", 2 * BS)
+    assert sum(1 for kind, _ in pool.calls if kind == "grant") > grants_before
+    assert len(bm.match_prefix(prompt)) == 2  # the cached blocks were not evicted

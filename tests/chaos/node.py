@@ -1,0 +1,167 @@
+"""One node's processes started by hand for fault tests: a kvpool daemon and real workers, with the
+test itself acting as the router (it sends requests and reads outputs over the same ZeroMQ wires)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import zmq
+
+from steadfast import protocol
+from steadfast.config import Config
+from steadfast.kv.arena import KVArena
+from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.model.gguf_loader import open_gguf, read_config
+from steadfast.protocol import AddRequest, RequestOutput, StepOutputs, WorkerStatus
+from steadfast.worker.engine import arena_spec
+
+
+class Node:
+    def __init__(self, tmp: Path, cfg: Config, failpoints: str = "") -> None:
+        self.tmp = tmp
+        self.cfg = cfg
+        self.cfg_json = json.dumps(cfg.to_dict())
+        self.arena_path = f"/dev/shm/steadfast-chaos-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv"
+        self.ledger_path = str(tmp / "ledger.db")
+        self.pool_address = f"ipc://{tmp}/kvpool"
+        self.output = f"ipc://{tmp}/outputs"
+        self.failpoint_dir = tmp / "failpoints"
+        self.failpoint_dir.mkdir(exist_ok=True)
+        self.failpoints = failpoints
+        self.spec = arena_spec(cfg, read_config(open_gguf(cfg.model.resolved_path)))
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(self.output)
+        self.pushes: dict[int, zmq.Socket] = {}
+        self.pool: subprocess.Popen | None = None
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.logs: list = []
+
+    def _log(self, name: str):
+        f = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        self.logs.append(f)
+        return f
+
+    def log_text(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def start_pool(self) -> subprocess.Popen:
+        ready = self.tmp / "kvpool.ready"
+        ready.unlink(missing_ok=True)
+        self.pool = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "steadfast.kv.pool",
+                "--config-json",
+                self.cfg_json,
+                "--address",
+                self.pool_address,
+                "--arena",
+                self.arena_path,
+                "--ledger",
+                self.ledger_path,
+                "--spec-json",
+                json.dumps(asdict(self.spec)),
+                "--ready-file",
+                str(ready),
+            ],
+            stdout=self._log("kvpool"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert self.pool.poll() is None and time.monotonic() < deadline, self.log_text("kvpool")
+            time.sleep(0.05)
+        return self.pool
+
+    def start_worker(self, worker_id: int = 0) -> subprocess.Popen:
+        env = dict(os.environ, STEADFAST_FAILPOINTS=self.failpoints, STEADFAST_FAILPOINT_DIR=str(self.failpoint_dir))
+        address = f"ipc://{self.tmp}/worker{worker_id}"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "steadfast.worker.main",
+                "--config-json",
+                self.cfg_json,
+                "--worker-id",
+                str(worker_id),
+                "--input",
+                address,
+                "--output",
+                self.output,
+                "--pool",
+                self.pool_address,
+            ],
+            stdout=self._log(f"worker{worker_id}"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        push = self.ctx.socket(zmq.PUSH)
+        push.connect(address)
+        self.pushes[worker_id] = push
+        self.workers[worker_id] = proc
+        self.wait_status(worker_id, "ready", timeout=120)
+        return proc
+
+    def wait_status(self, worker_id: int, state: str, timeout: float) -> WorkerStatus:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pull.poll(200):
+                msg = protocol.decode_from_worker(self.pull.recv())
+                if isinstance(msg, WorkerStatus) and msg.worker_id == worker_id and msg.state == state:
+                    return msg
+            assert self.workers[worker_id].poll() is None, self.log_text(f"worker{worker_id}")
+        raise AssertionError(f"worker{worker_id} never reported {state}")
+
+    def send(self, worker_id: int, request: AddRequest) -> None:
+        self.pushes[worker_id].send(protocol.encode(request))
+
+    def outputs(self, timeout: float, until_finished: set[str] | None = None, max_tokens: int | None = None):
+        """Outputs received within `timeout`, stopping early once `until_finished` all finished."""
+        got: list[RequestOutput] = []
+        done: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if until_finished is not None and until_finished <= done:
+                break
+            if max_tokens is not None and sum(len(o.token_ids) for o in got) >= max_tokens:
+                break
+            if self.pull.poll(100):
+                msg = protocol.decode_from_worker(self.pull.recv())
+                if isinstance(msg, StepOutputs):
+                    got.extend(msg.outputs)
+                    done.update(o.request_id for o in msg.outputs if o.finish_reason)
+        return got
+
+    def ledger(self) -> SqliteLedger:
+        return SqliteLedger(self.ledger_path)
+
+    def arena(self) -> KVArena:
+        return KVArena.attach(self.arena_path)
+
+    def stop(self) -> None:
+        for proc in [*self.workers.values(), self.pool]:
+            if proc is not None and proc.poll() is None:
+                if proc.returncode is None:
+                    os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+        self.ctx.destroy(linger=0)
+        for f in self.logs:
+            f.close()
+        for suffix in ("", ".json"):
+            Path(self.arena_path + suffix).unlink(missing_ok=True)
+
+
+def tokens_of(outputs: list[RequestOutput], request_id: str) -> list[int]:
+    return [t for o in outputs if o.request_id == request_id for t in o.token_ids]
