@@ -175,9 +175,11 @@ class BlockManager:
         return taken
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Name the request's blocks that became full once `num_computed` tokens have KV."""
-        if not self.enable_prefix_caching:
-            return
+        """Name the request's blocks that became full once `num_computed` tokens have KV.
+
+        Full blocks are named (and announced, so the ledger seals them) even with prefix caching off;
+        only `match_prefix` is disabled then.
+        """
         table = self._tables[request_id]
         done, parent = self._hashed[request_id]
         full = min(num_computed // self.block_size, len(table))

@@ -9,6 +9,7 @@ one transaction. Any write refused for a stale epoch raises `LeaseLostError`: th
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
@@ -40,6 +41,8 @@ class LedgerSync:
         self._finished: list[Request] = []
         self.steps = 0
         self.checkpoints = 0
+        self.checkpoint_seconds = 0.0  # time inside checkpoint transactions
+        self.seal_seconds = 0.0  # time hashing and sealing blocks
 
     def _write(self, fn, *args) -> None:  # noqa: ANN001 - a ledger method and its arguments
         try:
@@ -65,12 +68,14 @@ class LedgerSync:
                 del self._sealed_pending[b]  # evicted before it was ever sealed
             elif b in self._ledger_sealed:
                 unseals[b] = None
-        seals = [(b, self.arena.digest(b)) for b in self._sealed_pending if b not in unseals]
-        if seals or unseals:
+        if self._sealed_pending or unseals:
+            t0 = time.perf_counter()
+            seals = [(b, self.arena.digest(b)) for b in self._sealed_pending if b not in unseals]
             self._write(self.ledger.seal_and_unseal, seals, list(unseals))
             self._ledger_sealed.difference_update(unseals)
             self._ledger_sealed.update(b for b, _ in seals)
             self._sealed_pending.clear()
+            self.seal_seconds += time.perf_counter() - t0
 
     def finished(self, request: Request) -> None:
         self._finished.append(request)
@@ -83,10 +88,12 @@ class LedgerSync:
             self.checkpoint(requests, blocks)
 
     def checkpoint(self, requests: list[Request], blocks: BlockManager) -> None:
+        t0 = time.perf_counter()
         records = [self._record(r, blocks) for r in (*requests, *self._finished)]
         if records:
             self._write(self.ledger.checkpoint, records)
             self.checkpoints += 1
+            self.checkpoint_seconds += time.perf_counter() - t0
         self._finished.clear()
 
     @staticmethod

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from steadfast.config import Config
+from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger import BlockState, LeaseState
 from steadfast.kv.pool import process_gone
 from steadfast.protocol import AddRequest, SamplingParams
@@ -92,7 +93,7 @@ def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt):
         wait_for(lambda: not any(b.owner == "worker0" for b in ledger.blocks()), 10, "reclaim")
         states = {b.state for b in ledger.blocks()}
         assert BlockState.QUARANTINED in states
-        assert ledger.check_integrity(time.monotonic()) == []
+        assert check_node(ledger, node.arena()) == []
         ledger.close()
     finally:
         node.stop()
@@ -123,10 +124,10 @@ def test_worker_killed_inside_a_checkpoint_transaction_leaves_a_consistent_ledge
         ledger = node.ledger()
         lengths = {len(ledger.request(rid).generated_ids) for rid in ids}
         assert len(lengths) == 1 and 0 < lengths.pop() <= 2 * 6 + 1
-        assert ledger.check_integrity(time.monotonic()) == []
+        assert check_node(ledger, node.arena()) == []
         wait_for(lambda: not any(b.owner == "worker0" for b in ledger.blocks()), 15, "fence and reclaim")
         assert ledger.lease("worker0").state == LeaseState.FENCED
-        assert ledger.check_integrity(time.monotonic()) == []
+        assert check_node(ledger, node.arena()) == []
         ledger.close()
     finally:
         node.stop()
@@ -167,7 +168,7 @@ def test_kvpool_restart_keeps_arena_and_running_worker(tmp_path, prompt):
         got = first + rest
         assert tokens_of(got, "again") == reference  # the same tokens as without a restart
         assert len(tokens_of(got, "during")) == 120
-        assert ledger.check_integrity(time.monotonic()) == []
+        assert check_node(ledger, node.arena()) == []
         ledger.close()
     finally:
         node.stop()

@@ -166,3 +166,29 @@ def test_recorded_history_of_a_real_run_is_clean(ledger, clock):
     rec.reclaim("w0")
     assert [op.ok for op in rec.history] == [True, True, True, False, True]
     assert check_history(rec.history) == []
+
+
+def test_node_check_verifies_sealed_bytes_and_tables(tmp_path, clock):
+    import os
+    import uuid
+
+    from steadfast.kv.arena import ArenaSpec, KVArena
+    from steadfast.kv.integrity import check_node
+
+    arena = KVArena.create(
+        f"/dev/shm/steadfast-integrity-{os.getpid()}-{uuid.uuid4().hex[:6]}.kv", ArenaSpec(4, 2, 4, 1, 8, "float32")
+    )
+    led = SqliteLedger(str(tmp_path / "n.db"))  # real clock: check_node uses time.monotonic
+    try:
+        led.format(4)
+        e = led.acquire_lease("w0", 1, 60).epoch
+        led.grant("w0", e, 2)
+        arena.tensor[:, :, :, 0] = 1.5
+        led.seal("w0", e, [(0, arena.digest(0))])
+        assert check_node(led, arena, {"w0": {"r": [0, 1]}}) == []
+        arena.tensor[1, 0, 0, 0, 2, 3] = -1.0  # one value of a sealed block flips
+        assert any("no longer match" in p for p in check_node(led, arena))
+        assert any("does not give it" in p for p in check_node(led, arena, {"w1": {"r": [1]}}))
+    finally:
+        led.close()
+        arena.unlink()

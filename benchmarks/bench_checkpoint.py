@@ -1,0 +1,150 @@
+"""Cost of the external ledger: decode throughput with request checkpoints every 1, 16, 128 steps,
+with the ledger but no checkpoints, and with no ledger at all — interleaved rounds in one run.
+
+The engine runs in-process against a real SQLite/WAL ledger and a kvpool (also in-process, so the
+measurement is the ledger work, not IPC noise): seals with content hashes of full blocks, unseals on
+prefix-cache eviction, lease checks, and checkpoints of every running request in one transaction.
+
+    python benchmarks/bench_checkpoint.py --batch 16 --max-tokens 96 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from steadfast.config import Config  # noqa: E402
+from steadfast.kv.pool import KVPool  # noqa: E402
+from steadfast.protocol import AddRequest, PoolGrant, PoolRegister, PoolRelease, SamplingParams  # noqa: E402
+from steadfast.worker.engine import Engine, arena_spec, load_model  # noqa: E402
+from steadfast.worker.ledger_sync import LedgerSync  # noqa: E402
+
+OFF = "no ledger"
+SEALS_ONLY = "ledger, no checkpoints"
+
+
+@dataclass
+class LocalPool:
+    """The worker side of the pool protocol, calling an in-process KVPool."""
+
+    pool: KVPool
+    worker: str
+    epoch: int = 0
+
+    def register(self) -> None:
+        self.epoch = self.pool.handle(PoolRegister(self.worker, os.getpid())).epoch
+
+    def grant(self, count: int) -> list[int]:
+        return self.pool.handle(PoolGrant(self.worker, self.epoch, count)).block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        self.pool.handle(PoolRelease(self.worker, self.epoch, block_ids))
+
+
+def run(mode: str, cfg: Config, loaded, pool: KVPool, n: int, args: argparse.Namespace, prompts) -> dict:
+    interval = {SEALS_ONLY: 10**9, OFF: 1}.get(mode, mode)
+    cfg = cfg.replace(fault_recovery={"kv_cache": {"snapshot_interval_steps": int(interval)}})
+    if mode == OFF:
+        engine = Engine(cfg, loaded, pool.arena)
+        sync = None
+    else:
+        client = LocalPool(pool, f"bench{n}")
+        client.register()
+        sync = LedgerSync(cfg, client, pool.ledger_path, pool.arena)
+        engine = Engine(cfg, loaded, pool.arena, source=client, sync=sync)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(AddRequest(f"r{n}-{i}", ids, params))
+    engine.step()  # prefill all
+    t0 = time.perf_counter()
+    tokens = 0
+    while engine.has_work:
+        tokens += sum(len(o.token_ids) for o in engine.step())
+    wall = time.perf_counter() - t0
+    out = {"mode": str(mode), "tok_s": tokens / wall, "steps": engine.steps}
+    if sync is not None:
+        out.update(
+            checkpoints=sync.checkpoints,
+            checkpoint_ms=1000 * sync.checkpoint_seconds / max(1, sync.checkpoints),
+            seal_ms_per_step=1000 * sync.seal_seconds / engine.steps,
+        )
+        sync.close()
+        # Give the blocks back so the next round starts from the same pool.
+        client.release([b for b in engine.blocks._held])
+        pool.ledger.release_lease(client.worker, client.epoch)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "checkpoint.json"))
+    args = p.parse_args()
+
+    cfg = Config().replace(model={"dtype": args.dtype}, cache={"kv_memory_mb": 512, "enable_prefix_caching": False})
+    loaded = load_model(cfg)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    pool = KVPool(
+        cfg,
+        f"/dev/shm/steadfast-bench-ckpt-{os.getpid()}.kv",
+        str(tmp / "ledger.db"),
+        arena_spec(cfg, loaded.model_cfg),
+    )
+    tok = loaded.tokenizer
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": f"Write a story about a robot, part {i}."}])
+        for i in range(args.batch)
+    ]
+    modes = [OFF, SEALS_ONLY, 128, 16, 1]
+    results: dict[str, list[dict]] = {str(m): [] for m in modes}
+    n = 0
+    try:
+        for _ in range(args.rounds):
+            for mode in modes:
+                n += 1
+                r = run(mode, cfg, loaded, pool, n, args, prompts)
+                results[str(mode)].append(r)
+                print(r, flush=True)
+    finally:
+        pool.close()
+        pool.arena.unlink()
+    base = statistics.median(r["tok_s"] for r in results[OFF])
+    lines = [
+        "| checkpointing | decode tok/s (median) | vs no ledger | checkpoint txn | seal work per step |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in modes:
+        rs = results[str(mode)]
+        tok_s = statistics.median(r["tok_s"] for r in rs)
+        ck = statistics.median(r.get("checkpoint_ms", 0.0) for r in rs)
+        seal = statistics.median(r.get("seal_ms_per_step", 0.0) for r in rs)
+        label = f"every {mode} steps" if isinstance(mode, int) else mode
+        lines.append(f"| {label} | {tok_s:.1f} | {100 * (tok_s / base - 1):+.1f} % | {ck:.2f} ms | {seal:.3f} ms |")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps(
+            {"command": " ".join(sys.argv), "args": vars(args), "torch": torch.__version__, "results": results},
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
