@@ -167,6 +167,9 @@ class LeaseConfig:
     def __post_init__(self) -> None:
         if self.renew_interval_ms < 1:
             raise ConfigError("fault_recovery.lease.renew_interval_ms must be >= 1")
+        if not self.version_check:
+            # Without epochs a paused-then-resumed worker could overwrite its successor's KV (split brain).
+            raise ConfigError("fault_recovery.lease.version_check: false is not supported; fencing is always on")
         if self.lease_timeout_ms < 3 * self.renew_interval_ms:
             # Fewer than three missed renewals would declare a merely slow worker dead.
             raise ConfigError(

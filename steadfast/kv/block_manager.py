@@ -82,6 +82,11 @@ class BlockManager:
         return len(self._free)
 
     @property
+    def held_blocks(self) -> list[int]:
+        """Every block this manager may use (granted by the pool, or the whole arena)."""
+        return sorted(self._held)
+
+    @property
     def num_used(self) -> int:
         return len(self._held) - len(self._free)
 

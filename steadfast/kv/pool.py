@@ -91,7 +91,7 @@ class KVPool:
                 epoch = self.ledger.fence(lease.worker)
                 log.warning("lease of %s (pid %d) expired: fenced, epoch now %d", lease.worker, lease.pid, epoch)
             elif (
-                lease.state == LeaseState.FENCED
+                lease.state in (LeaseState.FENCED, LeaseState.RELEASED)
                 and (lease.worker, lease.epoch) not in self._reclaimed
                 and process_gone(lease.pid)
             ):

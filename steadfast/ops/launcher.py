@@ -48,6 +48,7 @@ class Launcher:
     arenas: list[KVArena] = field(default_factory=list)
     shared_files: list[str] = field(default_factory=list)
     pool_args: list[str] = field(default_factory=list)
+    pool_restarts: int = 0
 
     @property
     def url(self) -> str:
@@ -167,8 +168,18 @@ class Launcher:
         try:
             while not stop["signal"]:
                 for fd in wait_sentinels(list(pidfds), timeout=0.5):
-                    c = pidfds[fd]  # type: ignore[index]
+                    c = pidfds.pop(fd)  # type: ignore[call-overload]
+                    os.close(fd)  # type: ignore[arg-type]
                     c.proc.wait()
+                    if c.name == "kvpool":
+                        # The arena and ledger outlive the daemon: a new one re-attaches both and the
+                        # workers, which retry their pool requests, carry on.
+                        log.error("kvpool (pid %d) exited with code %s; restarting it", c.proc.pid, c.proc.returncode)
+                        self.children.remove(c)
+                        self._spawn("kvpool", self.pool_args)
+                        self.pool_restarts += 1
+                        pidfds[os.pidfd_open(self.children[-1].proc.pid)] = self.children[-1]
+                        continue
                     log.error("%s (pid %d) exited with code %s; shutting down", c.name, c.proc.pid, c.proc.returncode)
                     return 1
             return 0

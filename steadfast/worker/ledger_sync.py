@@ -114,6 +114,13 @@ class LedgerSync:
             block_table=list(blocks.block_table(r.request_id)),
         )
 
-    def close(self) -> None:
+    def close(self, pool: PoolClient | None = None, held: list[int] | None = None) -> None:
+        """A clean exit: give the blocks back and release the lease, so nothing waits for expiry."""
         self.lease.stop()
+        if pool is not None and not self.lease.lost:
+            try:
+                pool.release(held or [])
+                self.ledger.release_lease(self.worker, self.epoch)
+            except Exception as exc:  # the pool's arbiter cleans up after the lease expires anyway
+                log.warning("clean release failed (%s); the lease will expire instead", exc)
         self.ledger.close()

@@ -155,7 +155,7 @@ def main() -> None:
         log.error("lease lost, every further write would be refused; exiting: %s", exc)
         os._exit(EXIT_LEASE_LOST)  # no clean-up that could write: this process is fenced
     if sync is not None:
-        sync.close()
+        sync.close(pool, engine.blocks.held_blocks)
     ctx.destroy(linger=1000)
 
 

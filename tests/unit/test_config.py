@@ -83,6 +83,7 @@ def test_nested_override_keeps_sibling_keys():
         ("fault_recovery: {kv_cache: {snapshot_interval_steps: 0}}", "snapshot_interval_steps must be >= 1"),
         ("fault_recovery: {request: {idempotency_window: soon}}", "idempotency_window must be a duration"),
         ("fault_recovery: {lease: 5}", "must be a mapping"),
+        ("fault_recovery: {lease: {version_check: false}}", "fencing is always on"),
     ],
 )
 def test_bad_fault_recovery_values_are_refused(tmp_path, text, fragment):
