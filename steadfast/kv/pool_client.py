@@ -49,9 +49,10 @@ class PoolClient:
         self.sock.connect(self.address)
         return self.sock
 
-    def _call(self, msg: PoolRegister | PoolGrant | PoolRelease) -> PoolReply:
+    def _call(self, msg: PoolRegister | PoolGrant | PoolRelease, attempts: int | None = None) -> PoolReply:
         sock = self.sock or self._connect()
-        for attempt in range(self.attempts):
+        attempts = attempts or self.attempts
+        for attempt in range(attempts):
             sock.send(protocol.encode(msg))
             if sock.poll(self.timeout_ms):
                 reply = protocol.decode_pool_reply(sock.recv())
@@ -63,7 +64,7 @@ class PoolClient:
             # No answer: the daemon may be restarting. A fresh socket drops any stale reply.
             log.warning("kvpool did not answer (attempt %d); retrying", attempt + 1)
             sock = self._connect()
-        raise PoolUnavailableError(f"kvpool at {self.address} did not answer {self.attempts} times")
+        raise PoolUnavailableError(f"kvpool at {self.address} did not answer {attempts} times")
 
     def register(self, pid: int) -> PoolReply:
         reply = self._call(PoolRegister(self.worker, pid))
@@ -73,9 +74,9 @@ class PoolClient:
     def grant(self, count: int) -> list[int]:
         return self._call(PoolGrant(self.worker, self.epoch, count)).block_ids
 
-    def release(self, block_ids: list[int]) -> None:
+    def release(self, block_ids: list[int], attempts: int | None = None) -> None:
         if block_ids:
-            self._call(PoolRelease(self.worker, self.epoch, list(block_ids)))
+            self._call(PoolRelease(self.worker, self.epoch, list(block_ids)), attempts)
 
 
 class LeaseKeeper:

@@ -119,7 +119,7 @@ class LedgerSync:
         self.lease.stop()
         if pool is not None and not self.lease.lost:
             try:
-                pool.release(held or [])
+                pool.release(held or [], attempts=1)  # at shutdown the pool may be gone too: one try
                 self.ledger.release_lease(self.worker, self.epoch)
             except Exception as exc:  # the pool's arbiter cleans up after the lease expires anyway
                 log.warning("clean release failed (%s); the lease will expire instead", exc)

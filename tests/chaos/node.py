@@ -44,6 +44,7 @@ class Node:
         self.pool: subprocess.Popen | None = None
         self.workers: dict[int, subprocess.Popen] = {}
         self.logs: list = []
+        self.received: list[RequestOutput] = []  # every output any call to outputs() saw
 
     def _log(self, name: str):
         f = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -140,6 +141,7 @@ class Node:
                 msg = protocol.decode_from_worker(self.pull.recv())
                 if isinstance(msg, StepOutputs):
                     got.extend(msg.outputs)
+                    self.received.extend(msg.outputs)
                     done.update(o.request_id for o in msg.outputs if o.finish_reason)
         return got
 

@@ -228,13 +228,12 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, model):
         "ignore_eos": True,
         "temperature": 0,
     }
-    got = 0
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                got += 1
-            if got == 5:
-                break
+        # Keep the line iterator alive: leaving a `for` over it would close the stream right away.
+        lines = r.iter_lines()
+        got = 0
+        while got < 5:
+            got += next(lines).startswith("data: {")
         # Status reports come every 0.5 s: wait until one shows the request on the worker.
         deadline = time.monotonic() + 5
         while workers(server)[0]["running"] != 1 and time.monotonic() < deadline:
