@@ -65,6 +65,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.source = source
         self.grant_batch = grant_batch
+        self.cache_cap = 4 * grant_batch
+        self._free_cached = 0  # free blocks that still hold a cached prefix
         # Blocks this manager may hand out: all of them, or those the pool granted.
         self._held: set[int] = set() if source else set(range(num_blocks))
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in sorted(self._held))
@@ -91,11 +93,13 @@ class BlockManager:
         return len(self._held) - len(self._free)
 
     def _ensure_free(self, count: int) -> bool:
-        """Have `count` local free blocks, asking the pool for a batch before evicting cached blocks."""
+        """Have `count` local free blocks. From the pool: when short, or to spare a small prefix cache;
+        beyond `cache_cap` cached free blocks, the least recently used cached block is reused instead
+        (warm memory, no round trip, and the worker does not hoard the node's arena)."""
         if self.source is not None:
             # Unhashed free blocks sit at the front of the queue: are the first `count` all unhashed?
             fresh = sum(1 for b in itertools.islice(self._free, count) if self.blocks[b].hash is None)
-            if fresh < count:
+            if fresh < count and (self._free_cached < self.cache_cap or len(self._free) < count):
                 # Reversed, so the queue front keeps the pool's order.
                 for block_id in reversed(self.source.grant(max(count - fresh, self.grant_batch))):
                     self._held.add(block_id)
@@ -163,6 +167,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._free_cached -= 1
             block.ref_count += 1
             table.append(block_id)
         if prefix:
@@ -173,6 +178,8 @@ class BlockManager:
         for _ in range(max(0, new_count)):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            if block.hash is not None:
+                self._free_cached -= 1
             self._forget_hash(block)
             block.ref_count = 1
             table.append(block_id)
@@ -217,6 +224,8 @@ class BlockManager:
                 if block.hash is None:
                     # Nothing to remember: hand it out before any cached block.
                     self._free.move_to_end(block_id, last=False)
+                else:
+                    self._free_cached += 1
         self._release_surplus()
 
     def _forget_hash(self, block: Block) -> None:
@@ -243,3 +252,5 @@ class BlockManager:
                 assert self._cached.get(block.hash) == block.block_id, f"block {block.block_id} not in cache index"
         for h, block_id in self._cached.items():
             assert self.blocks[block_id].hash == h
+        cached_free = sum(1 for b in self._free if self.blocks[b].hash is not None)
+        assert cached_free == self._free_cached, f"{self._free_cached} cached free blocks counted, {cached_free} found"
