@@ -124,8 +124,9 @@ def bench_steadfast(args: argparse.Namespace) -> dict[int, dict]:
     try:
         server.wait_ready()
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(load(server.url, model, 2, 2, 8))  # warm-up
         for c in args.concurrency:
+            # Warm-up at this concurrency (kernels for these batch shapes), untimed, like the baseline's.
+            asyncio.run(load(server.url, model, c, c, 16))
             n = max(args.min_requests, args.waves * c)
             out[c] = asyncio.run(load(server.url, model, c, n, args.max_tokens))
             print(f"steadfast c={c}: {out[c]}", flush=True)
@@ -160,6 +161,9 @@ def bench_transformers(args: argparse.Namespace) -> dict[int, dict]:
             for p in prompts(n)
         ]
         results = []
+        warm = tok(texts[:c], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():  # untimed warm-up at this batch size, like Steadfast's
+            model.generate(**warm, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
         t0 = time.perf_counter()
         for i in range(0, n, c):
             batch = tok(texts[i : i + c], return_tensors="pt", padding=True, add_special_tokens=False)
