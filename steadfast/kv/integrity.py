@@ -3,15 +3,13 @@ and with the block tables workers hold."""
 
 from __future__ import annotations
 
-import time
-
 from steadfast.kv.arena import KVArena
 from steadfast.kv.ledger import BlockState, Ledger
 
 
 def check_node(ledger: Ledger, arena: KVArena, tables: dict[str, dict[str, list[int]]] | None = None) -> list[str]:
     """Every disagreement found; empty when consistent. `tables`: worker → request → block ids."""
-    problems = ledger.check_integrity(time.monotonic())
+    problems = ledger.check_integrity()
     blocks = {b.block_id: b for b in ledger.blocks()}
     if len(blocks) != arena.spec.num_blocks:
         problems.append(f"the ledger has {len(blocks)} blocks, the arena {arena.spec.num_blocks}")

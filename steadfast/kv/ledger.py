@@ -154,7 +154,7 @@ class Ledger(abc.ABC):
     def close(self) -> None: ...
 
     # --- integrity ----------------------------------------------------------------------------
-    def check_integrity(self, now: float) -> list[str]:
+    def check_integrity(self) -> list[str]:
         """Problems between blocks and leases; an empty list when the ledger is consistent."""
         problems = []
         leases = {lease.worker: lease for lease in self.leases()}

@@ -53,7 +53,7 @@ def test_epochs_strictly_increase_and_fence_blocks_every_write(ledger, clock):
     # Guessing the new epoch does not help: the lease is fenced, not active.
     with pytest.raises(FencedError):
         ledger.grant("w0", new, 1)
-    assert ledger.check_integrity(clock.now) == []
+    assert ledger.check_integrity() == []
 
 
 def test_expired_lease_refuses_writes_before_anyone_fences_it(ledger, clock):
@@ -93,7 +93,7 @@ def test_block_lifecycle_and_reclaim_after_fence(ledger, clock):
     assert (sealed, quarantined) == ([0], [2])
     states = {b.block_id: b.state for b in ledger.blocks()}
     assert states[0] == BlockState.SEALED and states[1] == BlockState.FREE and states[2] == BlockState.QUARANTINED
-    assert ledger.check_integrity(clock.now) == []
+    assert ledger.check_integrity() == []
 
 
 def test_grant_returns_what_is_free(ledger):
@@ -135,7 +135,7 @@ def test_integrity_check_reports_a_tampered_block(ledger, clock):
     e = ledger.acquire_lease("w0", 1, 5).epoch
     ledger.grant("w0", e, 1)
     ledger.db.execute("UPDATE blocks SET epoch = 999 WHERE id = 0")
-    assert any("epoch 999" in p for p in ledger.check_integrity(clock.now))
+    assert any("epoch 999" in p for p in ledger.check_integrity())
 
 
 def test_history_checker_flags_each_broken_invariant():

@@ -130,7 +130,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def ledger_is_consistent(self) -> None:
-        assert self.inner.check_integrity(self.now) == []
+        assert self.inner.check_integrity() == []
 
     @invariant()
     def history_is_clean(self) -> None:
