@@ -111,9 +111,10 @@ class BlockManager:
         """Give the pool back unhashed free blocks beyond a few batches, so other workers can have them."""
         if self.source is None:
             return
-        spare = [b for b in self._free if self.blocks[b].hash is None]
-        surplus = spare[: max(0, len(spare) - 4 * self.grant_batch)]
-        if surplus:
+        # Unhashed free blocks are counted without a scan, and sit at the front of the queue.
+        excess = len(self._free) - self._free_cached - 4 * self.grant_batch
+        if excess > 0:
+            surplus = list(itertools.islice((b for b in self._free if self.blocks[b].hash is None), excess))
             for block_id in surplus:
                 del self._free[block_id]
                 self._held.discard(block_id)

@@ -152,7 +152,7 @@ class Engine:
             outputs.append(self._append(request, token))
         self.steps += 1
         if self.sync is not None:
-            self.sync.after_step(list(self.requests.values()), self.blocks)
+            self.sync.after_step(self.requests.values(), self.blocks)
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += time.perf_counter() - t0
         return outputs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 
 import msgspec
 
@@ -80,14 +81,14 @@ class LedgerSync:
     def finished(self, request: Request) -> None:
         self._finished.append(request)
 
-    def after_step(self, requests: list[Request], blocks: BlockManager) -> None:
+    def after_step(self, requests: Collection[Request], blocks: BlockManager) -> None:
         # A worker fenced while it computed must not hand out what it computed.
         self.lease.check()
         self.steps += 1
         if self.steps % self.interval == 0:
             self.checkpoint(requests, blocks)
 
-    def checkpoint(self, requests: list[Request], blocks: BlockManager) -> None:
+    def checkpoint(self, requests: Collection[Request], blocks: BlockManager) -> None:
         t0 = time.perf_counter()
         records = [self._record(r, blocks) for r in (*requests, *self._finished)]
         if records:
