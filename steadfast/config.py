@@ -53,16 +53,28 @@ class ModelConfig:
     # 0 means "the model's own context length".
     max_model_len: int = 0
     served_name: str = ""
+    # "auto": the first CUDA device when there is one, else the CPU. The KV arena lives there too.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_model_len < 0:
             raise ConfigError("model.max_model_len must be >= 0")
 
     @property
     def resolved_path(self) -> str:
         return self.path or default_model_path()
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch  # here, not at module import: the router never needs torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def name(self) -> str:

@@ -93,6 +93,12 @@ class PoolRegister(msgspec.Struct, tag="register", array_like=True):
     pid: int
 
 
+class PoolAttach(msgspec.Struct, tag="attach", array_like=True):
+    """Where the arena and ledger are, without taking a lease: for inspectors and standbys."""
+
+    pid: int
+
+
 class PoolGrant(msgspec.Struct, tag="grant", array_like=True):
     worker: str
     epoch: int
@@ -105,22 +111,38 @@ class PoolRelease(msgspec.Struct, tag="release", array_like=True):
     block_ids: list[int]
 
 
+class CudaIpcHandle(msgspec.Struct, array_like=True):
+    """What a process needs to map a CUDA arena another process allocated (torch's IPC triple plus
+    the arena's spec). Plain bytes and ints: it travels in msgpack, never pickled."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    spec_json: str
+
+
 class PoolReply(msgspec.Struct, array_like=True, omit_defaults=True):
     ok: bool
     epoch: int = 0
     block_ids: list[int] = []
-    arena_path: str = ""
+    arena_path: str = ""  # a file arena; empty when the arena is device memory (see cuda_ipc)
     ledger_path: str = ""
     error: str = ""
     fenced: bool = False
+    cuda_ipc: CudaIpcHandle | None = None
 
 
-ToPool = PoolRegister | PoolGrant | PoolRelease
+ToPool = PoolRegister | PoolAttach | PoolGrant | PoolRelease
 _to_pool = msgspec.msgpack.Decoder(ToPool)
 _pool_reply = msgspec.msgpack.Decoder(PoolReply)
 
 
-def decode_to_pool(data: bytes) -> PoolRegister | PoolGrant | PoolRelease:
+def decode_to_pool(data: bytes) -> PoolRegister | PoolAttach | PoolGrant | PoolRelease:
     return _to_pool.decode(data)
 
 

@@ -10,6 +10,10 @@ chosen for attention: one `index_select` over a request batch's block ids yields
 `[kv_heads, requests, tokens, head_dim]`, exactly what a batched matmul with the queries wants, with
 no permute copy of K or V.
 
+On CUDA the arena is one device allocation made by the process that owns it (the kvpool daemon) and
+shared with workers by CUDA IPC handles (`export_ipc` / `attach_ipc`): the same interface, the same
+layout, no file. Unlike the /dev/shm file, device memory lives only as long as its owning process.
+
 This module never decides who owns a block: that is the block manager's (and later the pool's) job.
 """
 
@@ -22,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from steadfast.protocol import CudaIpcHandle
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -68,13 +74,63 @@ def _spec_path(path: str) -> Path:
 
 
 class KVArena:
-    """A mapped arena. `create` makes the file; `attach` maps one another process made."""
+    """A mapped arena. `create` makes the file and `attach` maps one another process made;
+    `create_device` allocates on a GPU, `export_ipc` / `attach_ipc` share that allocation."""
 
     def __init__(self, path: str, spec: ArenaSpec, tensor: torch.Tensor) -> None:
-        self.path = path
+        self.path = path  # "" for a device arena
         self.spec = spec
         # tensor: [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
         self.tensor = tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    @classmethod
+    def create_device(cls, spec: ArenaSpec, device: str | torch.device) -> KVArena:
+        """A device-memory arena. Zeroed, so that a block's digest is defined before anyone writes it."""
+        return cls("", spec, torch.zeros(spec.shape, dtype=spec.torch_dtype, device=device))
+
+    def export_ipc(self) -> CudaIpcHandle:
+        """A handle another process opens with `attach_ipc` to map this CUDA arena (no copy).
+        The allocation stays valid while this process keeps the arena."""
+        if self.device.type != "cuda":
+            raise ValueError(f"only a CUDA arena can be shared by IPC handle, this one is on {self.device}")
+        storage = self.tensor.untyped_storage()
+        device, handle, size, offset, counter, counter_offset, event, sync = storage._share_cuda_()
+        return CudaIpcHandle(
+            device=device,
+            handle=handle,
+            size_bytes=size,
+            offset_bytes=offset,
+            ref_counter_handle=counter,
+            ref_counter_offset=counter_offset,
+            event_handle=event or b"",
+            event_sync_required=bool(sync),
+            spec_json=json.dumps(asdict(self.spec)),
+        )
+
+    @classmethod
+    def attach_ipc(cls, h: CudaIpcHandle) -> KVArena:
+        """Map the CUDA arena another process exported. Fails in the exporting process itself (CUDA IPC)."""
+        spec = ArenaSpec(**json.loads(h.spec_json))
+        if h.size_bytes - h.offset_bytes < spec.nbytes:
+            raise ValueError(f"CUDA IPC allocation of {h.size_bytes} bytes cannot hold a {spec.nbytes}-byte arena")
+        torch.cuda.init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h.device,
+            h.handle,
+            h.size_bytes,
+            h.offset_bytes,
+            h.ref_counter_handle,
+            h.ref_counter_offset,
+            h.event_handle or None,
+            h.event_sync_required,
+        )
+        tensor = torch.empty((0,), dtype=spec.torch_dtype, device=f"cuda:{h.device}")
+        tensor.set_(storage, 0, spec.shape)
+        return cls("", spec, tensor)
 
     @classmethod
     def create(cls, path: str, spec: ArenaSpec) -> KVArena:
@@ -114,9 +170,11 @@ class KVArena:
 
     def digest(self, block_id: int) -> bytes:
         """Content hash of one block's bytes (every layer's K and V), to seal it and verify it later."""
-        data = self.tensor[:, :, :, block_id].contiguous()
+        data = self.tensor[:, :, :, block_id].contiguous().cpu()
         return hashlib.blake2b(data.view(torch.uint8).numpy(), digest_size=16).digest()
 
     def unlink(self) -> None:
+        if not self.path:
+            return
         for p in (Path(self.path), _spec_path(self.path)):
             p.unlink(missing_ok=True)

@@ -105,6 +105,11 @@ class Ledger(abc.ABC):
         """Create `num_blocks` FREE blocks, or check an existing ledger has that many."""
 
     @abc.abstractmethod
+    def arena_replaced(self) -> None:
+        """The arena's bytes are gone (a device arena dies with its owning daemon): fence every live
+        lease and free every block, sealed ones too, since nothing they describe exists any more."""
+
+    @abc.abstractmethod
     def grant(self, worker: str, epoch: int, count: int) -> list[int]:
         """Up to `count` FREE blocks become OWNED by the worker (fewer, maybe none, when short)."""
 

@@ -25,7 +25,7 @@ from steadfast.ipc import die_with_parent, setup_logging
 from steadfast.kv.arena import ArenaSpec, KVArena
 from steadfast.kv.ledger import LeaseState, LedgerError
 from steadfast.kv.sqlite_ledger import SqliteLedger
-from steadfast.protocol import PoolGrant, PoolRegister, PoolRelease, PoolReply
+from steadfast.protocol import PoolAttach, PoolGrant, PoolRegister, PoolRelease, PoolReply
 
 log = logging.getLogger("steadfast.kvpool")
 
@@ -46,23 +46,32 @@ def process_gone(pid: int) -> bool:
 
 
 class KVPool:
-    def __init__(self, cfg: Config, arena_path: str, ledger_path: str, spec: ArenaSpec) -> None:
+    def __init__(self, cfg: Config, arena_path: str, ledger_path: str, spec: ArenaSpec, device: str = "cpu") -> None:
         self.cfg = cfg
         self.ttl_s = cfg.fault_recovery.lease.lease_timeout_ms / 1000
-        if Path(arena_path).exists():
+        self.ledger_path = ledger_path
+        self.ledger = SqliteLedger(ledger_path)
+        if device != "cpu":
+            # Device memory dies with its process: a restarted daemon starts a new arena, and whatever
+            # the ledger says of the old one's blocks is void.
+            self.arena = KVArena.create_device(spec, device)
+            if self.ledger.blocks():
+                self.ledger.arena_replaced()
+                log.warning("new device arena: every earlier lease fenced, every block freed")
+        elif Path(arena_path).exists():
             self.arena = KVArena.attach(arena_path)  # a restart: the bytes are still there
             log.info("re-attached KV arena %s (%d blocks)", arena_path, self.arena.spec.num_blocks)
         else:
             self.arena = KVArena.create(arena_path, spec)
-        self.ledger_path = ledger_path
-        self.ledger = SqliteLedger(ledger_path)
         self.ledger.format(self.arena.spec.num_blocks)
         self._reclaimed: set[tuple[str, int]] = set()  # (worker, fenced epoch) already reclaimed
 
-    def handle(self, msg: PoolRegister | PoolGrant | PoolRelease) -> PoolReply:
+    def handle(self, msg: PoolRegister | PoolAttach | PoolGrant | PoolRelease) -> PoolReply:
         try:
             if isinstance(msg, PoolRegister):
                 return self._register(msg)
+            if isinstance(msg, PoolAttach):
+                return self._where(PoolReply(True))
             if isinstance(msg, PoolGrant):
                 return PoolReply(True, msg.epoch, self.ledger.grant(msg.worker, msg.epoch, msg.count))
             self.ledger.free(msg.worker, msg.epoch, msg.block_ids)
@@ -81,7 +90,15 @@ class KVPool:
             self.ledger.reclaim(msg.worker)
         lease = self.ledger.acquire_lease(msg.worker, msg.pid, self.ttl_s)
         log.info("%s (pid %d) registered with epoch %d", msg.worker, msg.pid, lease.epoch)
-        return PoolReply(True, lease.epoch, arena_path=self.arena.path, ledger_path=self.ledger_path)
+        return self._where(PoolReply(True, lease.epoch))
+
+    def _where(self, reply: PoolReply) -> PoolReply:
+        reply.arena_path = self.arena.path
+        reply.ledger_path = self.ledger_path
+        if self.arena.device.type == "cuda":
+            # A device arena travels as an IPC handle, one per importer (torch counts each of them).
+            reply.cuda_ipc = self.arena.export_ipc()
+        return reply
 
     def arbitrate(self) -> None:
         """Fence expired leases; reclaim the blocks of fenced workers whose process is gone."""
@@ -114,11 +131,12 @@ def main() -> None:
     parser.add_argument("--ledger", required=True)
     parser.add_argument("--spec-json", required=True, help="arena spec, used when creating it")
     parser.add_argument("--ready-file", help="written once the pool serves")
+    parser.add_argument("--device", default="cpu", help="cpu: a /dev/shm file arena; cuda[:N]: device memory")
     args = parser.parse_args()
     die_with_parent()
     setup_logging("kvpool")
     cfg = config_from_dict(json.loads(args.config_json))
-    pool = KVPool(cfg, args.arena, args.ledger, ArenaSpec(**json.loads(args.spec_json)))
+    pool = KVPool(cfg, args.arena, args.ledger, ArenaSpec(**json.loads(args.spec_json)), args.device)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(args.address)

@@ -16,9 +16,10 @@ import time
 import zmq
 
 from steadfast import protocol
+from steadfast.kv.arena import KVArena
 from steadfast.kv.ledger import FencedError, LedgerError
 from steadfast.kv.sqlite_ledger import SqliteLedger
-from steadfast.protocol import PoolGrant, PoolRegister, PoolRelease, PoolReply
+from steadfast.protocol import PoolAttach, PoolGrant, PoolRegister, PoolRelease, PoolReply
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class PoolClient:
         self.sock.connect(self.address)
         return self.sock
 
-    def _call(self, msg: PoolRegister | PoolGrant | PoolRelease, attempts: int | None = None) -> PoolReply:
+    def _call(self, msg: PoolRegister | PoolAttach | PoolGrant | PoolRelease, attempts: int | None = None) -> PoolReply:
         sock = self.sock or self._connect()
         attempts = attempts or self.attempts
         for attempt in range(attempts):
@@ -71,12 +72,21 @@ class PoolClient:
         self.epoch = reply.epoch
         return reply
 
+    def attach(self, pid: int) -> PoolReply:
+        """Where the arena and ledger are; takes no lease (inspectors, standbys)."""
+        return self._call(PoolAttach(pid))
+
     def grant(self, count: int) -> list[int]:
         return self._call(PoolGrant(self.worker, self.epoch, count)).block_ids
 
     def release(self, block_ids: list[int], attempts: int | None = None) -> None:
         if block_ids:
             self._call(PoolRelease(self.worker, self.epoch, list(block_ids)), attempts)
+
+
+def map_arena(reply: PoolReply) -> KVArena:
+    """Map the arena a pool reply names: by CUDA IPC handle for device memory, else by file path."""
+    return KVArena.attach_ipc(reply.cuda_ipc) if reply.cuda_ipc else KVArena.attach(reply.arena_path)
 
 
 class LeaseKeeper:

@@ -181,6 +181,20 @@ class SqliteLedger(Ledger):
             elif have != num_blocks:
                 raise LedgerError(f"the ledger describes {have} blocks, the arena has {num_blocks}")
 
+    def arena_replaced(self) -> None:
+        with self._tx() as c:
+            live = c.execute("SELECT worker FROM leases WHERE state = ?", (LeaseState.ACTIVE.value,)).fetchall()
+            for (worker,) in live:
+                c.execute(
+                    "UPDATE leases SET epoch = ?, state = ? WHERE worker = ?",
+                    (self._next_epoch(c), LeaseState.FENCED.value, worker),
+                )
+            # Request checkpoints stay: their token ids still let a request be rebuilt, not adopted.
+            c.execute(
+                "UPDATE blocks SET state = 'FREE', owner = NULL, epoch = NULL, request = NULL, refs = 0, "
+                "hash = NULL, tier = NULL"
+            )
+
     def grant(self, worker: str, epoch: int, count: int) -> list[int]:
         if count < 0:
             raise LedgerError("cannot grant a negative number of blocks")

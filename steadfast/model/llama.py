@@ -61,6 +61,7 @@ class LlamaModel:
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int):
         self.cfg = cfg
         self.dtype = dtype
+        self.device = weights["token_embd.weight"].device
         self.embed = weights["token_embd.weight"]
         self.lm_head = Linear(weights.get("output.weight", self.embed))  # tied embeddings when absent
         self.final_norm = weights["output_norm.weight"]
@@ -83,8 +84,8 @@ class LlamaModel:
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype)  # [positions, head_dim]
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(self.device, dtype)  # [positions, head_dim]
+        self.sin = emb.sin().to(self.device, dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalised in fp32, scaled in the model dtype: the same rounding points as the reference.
@@ -178,8 +179,8 @@ class LlamaModel:
                 kv = kv_cache.view(2 * kv_heads, blocks, -1).index_select(1, chunk.block_table)
                 kv = kv.view(2, 1, kv_heads, -1, dim)[:, :, :, :n]  # [2, 1, kv_heads, ctx, dim]
                 k, v = kv[0], kv[1]
-                rows = torch.arange(chunk.length).unsqueeze(1) + past
-                mask = torch.arange(n).unsqueeze(0) <= rows  # [new, ctx]
+                rows = torch.arange(chunk.length, device=q.device).unsqueeze(1) + past
+                mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # [new, ctx]
                 out = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, enable_gqa=True)
             parts.append(out[0].transpose(0, 1).reshape(chunk.length, cfg.num_heads * dim))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

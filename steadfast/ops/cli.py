@@ -54,14 +54,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import random
 
-    from steadfast.kv.arena import KVArena
     from steadfast.protocol import AddRequest, SamplingParams
-    from steadfast.worker.engine import Engine, arena_spec, load_model
+    from steadfast.worker.engine import Engine, load_model, private_arena
 
     cfg = _config(args).replace(cache={"kv_memory_mb": 256})
     loaded = load_model(cfg)
     with tempfile.TemporaryDirectory(dir=cfg.cache.arena_dir) as tmp:
-        arena = KVArena.create(str(Path(tmp) / "generate.kv"), arena_spec(cfg, loaded.model_cfg))
+        arena = private_arena(cfg, loaded.model_cfg, str(Path(tmp) / "generate.kv"))
         engine = Engine(cfg, loaded, arena)
         tok = loaded.tokenizer
         ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])

@@ -68,8 +68,11 @@ class Launcher:
         else:
             memory = None
         inputs = []
+        on_device = cfg.model.resolved_device != "cpu"
         for i in range(cfg.server.workers):
-            if memory is None:
+            if memory is None and on_device:
+                where = ["--device-arena"]  # device memory cannot be made here and handed over
+            elif memory is None:
                 arena = KVArena.create(str(Path(cfg.cache.arena_dir) / f"{tag}-w{i}.kv"), spec)
                 self.arenas.append(arena)
                 where = ["--arena", arena.path]
@@ -124,6 +127,8 @@ class Launcher:
             json.dumps(asdict(spec)),
             "--ready-file",
             str(ready),
+            "--device",
+            self.cfg.model.resolved_device,
         ]
         self.shared_files = [arena_path, arena_path + ".json"]
         if not self.cfg.fault_recovery.kv_cache.ledger_path:

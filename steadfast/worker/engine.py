@@ -63,8 +63,18 @@ def load_model(cfg: Config) -> LoadedModel:
     model_cfg = read_config(reader)
     limit = max_model_len(cfg, model_cfg)
     weights = load_weights(reader, model_cfg, TORCH_DTYPES[cfg.model.dtype])
+    device = cfg.model.resolved_device
+    if device != "cpu":
+        weights = {name: w.to(device) for name, w in weights.items()}
     model = LlamaModel(model_cfg, weights, TORCH_DTYPES[cfg.model.dtype], max_positions=limit)
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
+
+
+def private_arena(cfg: Config, model_cfg: LlamaConfig, path: str) -> KVArena:
+    """An arena for one engine alone: a /dev/shm file at `path` on the CPU, device memory on a GPU."""
+    spec = arena_spec(cfg, model_cfg)
+    device = cfg.model.resolved_device
+    return KVArena.create(path, spec) if device == "cpu" else KVArena.create_device(spec, device)
 
 
 class Engine:
@@ -76,6 +86,8 @@ class Engine:
         source: BlockSource | None = None,
         sync: LedgerSync | None = None,
     ) -> None:
+        if arena.device.type != loaded.model.device.type:
+            raise ValueError(f"the KV arena is on {arena.device}, the model on {loaded.model.device}")
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len

@@ -20,9 +20,9 @@ import zmq
 from steadfast.config import Config, config_from_dict, torch_threads
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena
-from steadfast.kv.pool_client import LeaseLostError, PoolClient
+from steadfast.kv.pool_client import LeaseLostError, PoolClient, map_arena
 from steadfast.protocol import AbortRequest, AddRequest, RequestOutput, StepOutputs, WorkerStatus
-from steadfast.worker.engine import Engine, load_model
+from steadfast.worker.engine import Engine, arena_spec, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 
 log = logging.getLogger("steadfast.worker")
@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--input", required=True, help="ZeroMQ address this worker binds for requests")
     parser.add_argument("--output", required=True, help="ZeroMQ address of the router's output socket")
     parser.add_argument("--arena", help="path of a private KV arena to map (no kvpool)")
+    parser.add_argument("--device-arena", action="store_true", help="allocate a private arena in device memory")
     parser.add_argument("--pool", help="ZeroMQ address of the node's kvpool daemon")
     parser.add_argument("--role", default="mixed")
     args = parser.parse_args()
@@ -137,15 +138,19 @@ def main() -> None:
     if args.pool:
         pool = PoolClient(args.pool, f"worker{args.worker_id}")
         reply = pool.register(os.getpid())
-        arena = KVArena.attach(reply.arena_path)
+        arena = map_arena(reply)
         sync = LedgerSync(cfg, pool, reply.ledger_path, arena)
         engine = Engine(cfg, loaded, arena, source=pool, sync=sync)
         log.info("registered with the kvpool as %s, epoch %d", pool.worker, pool.epoch)
+    elif args.device_arena:
+        spec = arena_spec(cfg, loaded.model_cfg)
+        engine = Engine(cfg, loaded, KVArena.create_device(spec, cfg.model.resolved_device))
     else:
         engine = Engine(cfg, loaded, KVArena.attach(args.arena))
     log.info(
-        "ready in %.1fs: %d KV blocks of %d tokens",
+        "ready in %.1fs on %s: %d KV blocks of %d tokens",
         time.perf_counter() - t0,
+        engine.arena.device,
         engine.blocks.num_blocks,
         engine.blocks.block_size,
     )

@@ -17,6 +17,7 @@ class ModelRunner:
         self.arena = arena
         self.blocks = blocks
         self.block_size = blocks.block_size
+        self.device = model.device
 
     def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
         """Run the step; return logits `[rows, vocab]` and the request each row samples for."""
@@ -44,9 +45,10 @@ class ModelRunner:
         if tables:
             width = max(len(t) for t in tables)
             # Pad each table to the widest with block 0: its rows are masked out below.
-            decode_blocks = torch.tensor([b for t in tables for b in (*t, *([0] * (width - len(t))))])
-            lens = torch.tensor(context_lens)
-            decode_pad = (torch.arange(width * bs).unsqueeze(0) >= lens.unsqueeze(1)).view(1, len(tables), 1, -1)
+            decode_blocks = self._tensor([b for t in tables for b in (*t, *([0] * (width - len(t))))])
+            lens = self._tensor(context_lens)
+            decode_pad = torch.arange(width * bs, device=self.device).unsqueeze(0) >= lens.unsqueeze(1)
+            decode_pad = decode_pad.view(1, len(tables), 1, -1)
 
         chunks = []
         for request, n in step.prefills:
@@ -58,23 +60,27 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
             context = pos0 + n
-            chunks.append(PrefillChunk(start, n, context, torch.tensor(table[: -(-context // bs)])))
+            chunks.append(PrefillChunk(start, n, context, self._tensor(table[: -(-context // bs)])))
             if context == request.num_tokens:  # prompt fully computed: its last row yields a token
                 sample_rows.append(len(tokens) - 1)
                 samplers.append(request)
 
         batch = AttentionBatch(
-            slots=torch.tensor(slots),
+            slots=self._tensor(slots),
             num_decode=len(step.decodes),
             decode_blocks=decode_blocks,
             decode_pad=decode_pad,
             prefills=chunks,
         )
         logits = self.model.forward(
-            torch.tensor(tokens),
-            torch.tensor(positions),
+            self._tensor(tokens),
+            self._tensor(positions),
             batch,
             self.arena,
-            torch.tensor(sample_rows, dtype=torch.long),
+            self._tensor(sample_rows),
         )
-        return logits, samplers
+        return logits.cpu(), samplers  # sampling runs on the CPU: per-request seeded generators live there
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        # Built on the CPU, copied once: one small host-to-device transfer per index list.
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

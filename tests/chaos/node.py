@@ -18,6 +18,7 @@ import zmq
 from steadfast import protocol
 from steadfast.config import Config
 from steadfast.kv.arena import KVArena
+from steadfast.kv.pool_client import PoolClient, map_arena
 from steadfast.kv.sqlite_ledger import SqliteLedger
 from steadfast.model.gguf_loader import open_gguf, read_config
 from steadfast.protocol import AddRequest, RequestOutput, StepOutputs, WorkerStatus
@@ -74,6 +75,8 @@ class Node:
                 json.dumps(asdict(self.spec)),
                 "--ready-file",
                 str(ready),
+                "--device",
+                self.cfg.model.resolved_device,
             ],
             stdout=self._log("kvpool"),
             stderr=subprocess.STDOUT,
@@ -149,7 +152,8 @@ class Node:
         return SqliteLedger(self.ledger_path)
 
     def arena(self) -> KVArena:
-        return KVArena.attach(self.arena_path)
+        """The node's arena as the pool hands it out (a file, or device memory by CUDA IPC handle)."""
+        return map_arena(PoolClient(self.pool_address, "inspector").attach(os.getpid()))
 
     def stop(self) -> None:
         for proc in [*self.workers.values(), self.pool]:

@@ -29,6 +29,7 @@ def test_defaults_and_yaml_with_overrides(tmp_path):
         ("cache: {block_size: 15}\n", "power of two"),
         ("scheduler: {max_num_seqs: 'many'}\n", "scheduler.max_num_seqs must be an integer"),
         ("server: {port: 70000}\n", "server.port"),
+        ("model: {device: tpu}\n", "model.device"),
         ("- a list\n", "mapping"),
     ],
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from steadfast.kv.history import Op, RecordingLedger, check_history
-from steadfast.kv.ledger import BlockState, FencedError, LeaseHeldError, LedgerError, RequestCheckpoint
+from steadfast.kv.ledger import BlockState, FencedError, LeaseHeldError, LeaseState, LedgerError, RequestCheckpoint
 from steadfast.kv.sqlite_ledger import SqliteLedger
 
 pytestmark = pytest.mark.unit
@@ -93,6 +93,24 @@ def test_block_lifecycle_and_reclaim_after_fence(ledger, clock):
     assert (sealed, quarantined) == ([0], [2])
     states = {b.block_id: b.state for b in ledger.blocks()}
     assert states[0] == BlockState.SEALED and states[1] == BlockState.FREE and states[2] == BlockState.QUARANTINED
+    assert ledger.check_integrity() == []
+
+
+def test_a_replaced_arena_fences_every_lease_and_voids_every_block(ledger, clock):
+    e0 = ledger.acquire_lease("w0", 1, ttl_s=5).epoch
+    e1 = ledger.acquire_lease("w1", 2, ttl_s=5).epoch
+    ledger.grant("w0", e0, 3)
+    ledger.seal("w0", e0, [(0, b"h0")])
+    ledger.grant("w1", e1, 2)
+    ledger.checkpoint("w1", e1, [RequestCheckpoint("r", [1, 2], "{}", [3], 1, "decode", [3, 4])])
+    ledger.arena_replaced()  # a device arena died with its daemon: none of those bytes exist any more
+    leases = {lease.worker: lease for lease in ledger.leases()}
+    assert leases["w0"].epoch > e1 and leases["w1"].epoch > leases["w0"].epoch
+    assert {lease.state for lease in leases.values()} == {LeaseState.FENCED}
+    assert all(b.state == BlockState.FREE and b.owner is None and b.hash is None for b in ledger.blocks())
+    with pytest.raises(FencedError):
+        ledger.grant("w0", e0, 1)
+    assert ledger.request("r") is not None  # the token ids stay: enough to rebuild, never to adopt
     assert ledger.check_integrity() == []
 
 
