@@ -117,9 +117,9 @@ def summarize(results: list[dict], wall: float) -> dict:
     }
 
 
-def bench_steadfast(args: argparse.Namespace) -> dict[int, dict]:
+def bench_steadfast(args: argparse.Namespace, extra_yaml: str = "") -> dict[int, dict]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
-    server = ServerProcess(tmp, f"model: {{dtype: {args.dtype}}}\ncache: {{kv_memory_mb: 2048}}\n")
+    server = ServerProcess(tmp, f"model: {{dtype: {args.dtype}}}\ncache: {{kv_memory_mb: 2048}}\n{extra_yaml}")
     out: dict[int, dict] = {}
     try:
         server.wait_ready()
@@ -194,13 +194,16 @@ def bench_transformers(args: argparse.Namespace) -> dict[int, dict]:
     return out
 
 
-def table(ours: dict[int, dict], base: dict[int, dict]) -> str:
+def table(variants: dict[str, dict[int, dict]], base: dict[int, dict]) -> str:
     lines = [
         "| concurrency | engine | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tok/s vs baseline |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for c in ours:
-        rows = [("steadfast (HTTP, streamed)", ours[c])]
+    for c in next(iter(variants.values())):
+        rows = [
+            (f"steadfast{'' if name == 'default' else f' [{name}]'} (HTTP, streamed)", v[c])
+            for name, v in variants.items()
+        ]
         if c in base:
             rows.append(("transformers generate (batched)", base[c]))
         for name, r in rows:
@@ -222,10 +225,20 @@ def main() -> None:
     p.add_argument("--baseline-waves", type=int, default=1)
     p.add_argument("--baseline-min-requests", type=int, default=4)
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=YAML",
+        help="also serve with this config added (flow-style YAML), e.g. 'nice=server: {router_nice: 10}'",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving.json"))
     args = p.parse_args()
 
-    ours = bench_steadfast(args)
+    variants = {"default": bench_steadfast(args)}
+    for spec in args.variant:
+        name, _, extra = spec.partition("=")
+        variants[name] = bench_steadfast(args, extra + "\n")
     base = {} if args.skip_baseline else bench_transformers(args)
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -233,12 +246,13 @@ def main() -> None:
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "torch": torch.__version__,
         "args": vars(args),
-        "steadfast": ours,
+        "steadfast": variants["default"],
+        "variants": {name: v for name, v in variants.items() if name != "default"},
         "transformers": base,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(table(ours, base))
+    print(table(variants, base))
 
 
 if __name__ == "__main__":

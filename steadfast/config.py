@@ -135,10 +135,15 @@ class ServerConfig:
     status_interval_s: float = 0.5
     # Intra-op threads per worker; 0 = STEADFAST_THREADS or every core.
     threads_per_worker: int = 0
+    # The router's CPU niceness: workers' forward passes are the bottleneck, and a router thread that
+    # preempts one of a worker's OpenMP threads stalls the whole team at the next barrier.
+    router_nice: int = 10
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError("server.port must be in 0..65535")
+        if not 0 <= self.router_nice <= 19:
+            raise ConfigError("server.router_nice must be in 0..19")
         if self.workers < 1:
             raise ConfigError("server.workers must be >= 1")
         if self.startup_timeout_s <= 0 or self.status_interval_s <= 0:

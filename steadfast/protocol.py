@@ -1,6 +1,7 @@
 """Messages between the router and workers: msgspec structs, tagged, array-like; no pickle on the wire.
 
-Router → worker: AddRequest, AbortRequest. Worker → router: StepOutputs, WorkerStatus.
+Router → worker: AddRequest, AbortRequest. Worker → router: StepOutputs, WorkerStatus. Supervisor →
+router (on the same socket as workers' outputs): WorkerDied, WorkerJoined.
 """
 
 from __future__ import annotations
@@ -25,11 +26,21 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
         return self.temperature == 0.0 or self.top_k == 1
 
 
+class Resume(msgspec.Struct, array_like=True):
+    """What the client already has of a request taken over from a dead worker: its tokens and how
+    many characters of their text were sent. The new owner continues from there, never resends."""
+
+    output_ids: list[int]
+    text_chars: int
+    from_worker: int = -1
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 1
+    resume: Resume | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -44,6 +55,11 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    index: int = 0  # position in the request's output of this output's first token
+    # On a taken-over request's first output: how it was recovered and what that cost.
+    route: str = ""  # "ledger_first" | "rebuild"
+    adopted_tokens: int = 0  # tokens whose KV was adopted from the dead worker's sealed blocks
+    recomputed_tokens: int = 0  # tokens whose KV had to be computed again
 
 
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):
@@ -65,8 +81,24 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     step_tokens: float = 0.0  # mean tokens computed per step since the last report
 
 
+class WorkerDied(msgspec.Struct, tag="died", array_like=True):
+    """From the supervisor: this worker's process is gone (reaped) and its lease fenced."""
+
+    worker_id: int
+    pid: int
+    exit_code: int
+
+
+class WorkerJoined(msgspec.Struct, tag="joined", array_like=True):
+    """From the supervisor: a new worker process listens at `address`."""
+
+    worker_id: int
+    address: str
+    role: str  # "mixed" | "standby"
+
+
 ToWorker = AddRequest | AbortRequest
-FromWorker = StepOutputs | WorkerStatus
+FromWorker = StepOutputs | WorkerStatus | WorkerDied | WorkerJoined
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
@@ -81,7 +113,7 @@ def decode_to_worker(data: bytes) -> AddRequest | AbortRequest:
     return _to_worker.decode(data)
 
 
-def decode_from_worker(data: bytes) -> StepOutputs | WorkerStatus:
+def decode_from_worker(data: bytes) -> StepOutputs | WorkerStatus | WorkerDied | WorkerJoined:
     return _from_worker.decode(data)
 
 
@@ -96,6 +128,13 @@ class PoolRegister(msgspec.Struct, tag="register", array_like=True):
 class PoolAttach(msgspec.Struct, tag="attach", array_like=True):
     """Where the arena and ledger are, without taking a lease: for inspectors and standbys."""
 
+    pid: int
+
+
+class PoolFence(msgspec.Struct, tag="fence", array_like=True):
+    """From the supervisor, which reaped `pid`: fence the worker now and reclaim its blocks."""
+
+    worker: str
     pid: int
 
 
@@ -137,12 +176,12 @@ class PoolReply(msgspec.Struct, array_like=True, omit_defaults=True):
     cuda_ipc: CudaIpcHandle | None = None
 
 
-ToPool = PoolRegister | PoolAttach | PoolGrant | PoolRelease
+ToPool = PoolRegister | PoolAttach | PoolFence | PoolGrant | PoolRelease
 _to_pool = msgspec.msgpack.Decoder(ToPool)
 _pool_reply = msgspec.msgpack.Decoder(PoolReply)
 
 
-def decode_to_pool(data: bytes) -> PoolRegister | PoolAttach | PoolGrant | PoolRelease:
+def decode_to_pool(data: bytes) -> ToPool:
     return _to_pool.decode(data)
 
 

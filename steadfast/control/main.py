@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 
 import uvicorn
 
@@ -55,6 +56,9 @@ def main() -> None:
     args = parser.parse_args()
     die_with_parent()
     setup_logging("router")
+    nice = config_from_dict(json.loads(args.config_json)).server.router_nice
+    if nice:
+        os.nice(nice)
     asyncio.run(serve(args.config_json, args.worker, args.output))
 
 

@@ -146,7 +146,37 @@ class BlockManager:
         self.prefix_hits += len(hits)
         return hits
 
+    def chain(self, token_ids: Sequence[int], count: int) -> list[bytes]:
+        """The chained names of the first `count` full blocks of `token_ids`."""
+        names, parent = [], ROOT_HASH
+        for i in range(count):
+            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            names.append(parent)
+        return names
+
+    def is_cached(self, name: bytes) -> bool:
+        return name in self._cached
+
     # --- changes -------------------------------------------------------------------------------
+    def adopt(self, token_ids: Sequence[int], adopted: Sequence[tuple[int, int]]) -> None:
+        """Take blocks another worker filled (granted to us by the ledger) into the prefix cache.
+
+        `adopted`: (position in the sequence, block id) of full blocks whose K/V is verified to be that
+        of `token_ids`. They become free cached blocks: the request's admission finds them as a prefix
+        hit like any other, and only what follows them is computed.
+        """
+        names = self.chain(token_ids, max((pos for pos, _ in adopted), default=-1) + 1)
+        for pos, block_id in adopted:
+            block = self.blocks[block_id]
+            if block_id in self._held or names[pos] in self._cached:
+                raise ValueError(f"block {block_id} at position {pos} is already known here; adopt it once")
+            block.hash = names[pos]
+            block.tokens = tuple(token_ids[pos * self.block_size : (pos + 1) * self.block_size])
+            self._cached[block.hash] = block_id
+            self._held.add(block_id)
+            self._free[block_id] = None  # the most recently used end: evicted last
+            self._free_cached += 1
+
     def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> list[int] | None:
         """Make the request's table cover `num_tokens` slots; `prefix` (first call only) is shared.
 

@@ -17,6 +17,7 @@ _EPOCH_WRITES = {
     "renew_lease",
     "release_lease",
     "grant",
+    "adopt",
     "authorize_write",
     "seal",
     "unseal",
@@ -103,6 +104,15 @@ def check_history(history: list[Op]) -> list[str]:
                 for b in op.result:
                     if b in owner:
                         problems.append(f"#{op.seq}: block {b} granted to {worker} while owned by {owner[b][0]}")
+                    else:
+                        sealed.discard(b)  # an ownerless sealed block nobody adopted, reused
+                    owner[b] = (worker, used)
+            elif op.name == "adopt":
+                for b, _ in a[2]:
+                    if b in owner and owner[b] != (worker, used):
+                        problems.append(f"#{op.seq}: block {b} adopted by {worker} while owned by {owner[b][0]}")
+                    if b not in sealed:
+                        problems.append(f"#{op.seq}: block {b} adopted by {worker} but not sealed")
                     owner[b] = (worker, used)
             elif op.name in ("authorize_write", "seal"):
                 ids = [a[2]] if op.name == "authorize_write" else [b for b, _ in a[2]]

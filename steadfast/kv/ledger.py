@@ -111,7 +111,13 @@ class Ledger(abc.ABC):
 
     @abc.abstractmethod
     def grant(self, worker: str, epoch: int, count: int) -> list[int]:
-        """Up to `count` FREE blocks become OWNED by the worker (fewer, maybe none, when short)."""
+        """Up to `count` blocks become OWNED by the worker (fewer, maybe none, when short): FREE ones
+        first, then QUARANTINED ones (their writer is gone), then ownerless SEALED ones nobody adopted."""
+
+    @abc.abstractmethod
+    def adopt(self, worker: str, epoch: int, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Take ownerless SEALED blocks whose recorded hash is the one given (all or none); blocks the
+        worker already owns sealed are left as they are."""
 
     @abc.abstractmethod
     def authorize_write(self, worker: str, epoch: int, block_id: int) -> None:

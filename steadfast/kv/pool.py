@@ -25,7 +25,7 @@ from steadfast.ipc import die_with_parent, setup_logging
 from steadfast.kv.arena import ArenaSpec, KVArena
 from steadfast.kv.ledger import LeaseState, LedgerError
 from steadfast.kv.sqlite_ledger import SqliteLedger
-from steadfast.protocol import PoolAttach, PoolGrant, PoolRegister, PoolRelease, PoolReply
+from steadfast.protocol import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolReply, ToPool
 
 log = logging.getLogger("steadfast.kvpool")
 
@@ -66,12 +66,14 @@ class KVPool:
         self.ledger.format(self.arena.spec.num_blocks)
         self._reclaimed: set[tuple[str, int]] = set()  # (worker, fenced epoch) already reclaimed
 
-    def handle(self, msg: PoolRegister | PoolAttach | PoolGrant | PoolRelease) -> PoolReply:
+    def handle(self, msg: ToPool) -> PoolReply:
         try:
             if isinstance(msg, PoolRegister):
                 return self._register(msg)
             if isinstance(msg, PoolAttach):
                 return self._where(PoolReply(True))
+            if isinstance(msg, PoolFence):
+                return self._fence_dead(msg)
             if isinstance(msg, PoolGrant):
                 return PoolReply(True, msg.epoch, self.ledger.grant(msg.worker, msg.epoch, msg.count))
             self.ledger.free(msg.worker, msg.epoch, msg.block_ids)
@@ -91,6 +93,27 @@ class KVPool:
         lease = self.ledger.acquire_lease(msg.worker, msg.pid, self.ttl_s)
         log.info("%s (pid %d) registered with epoch %d", msg.worker, msg.pid, lease.epoch)
         return self._where(PoolReply(True, lease.epoch))
+
+    def _fence_dead(self, msg: PoolFence) -> PoolReply:
+        """The supervisor reaped this worker: fence and reclaim at once instead of waiting for expiry.
+        Invariant 2 still holds: nothing is reassigned before the process is confirmed gone here too."""
+        lease = self.ledger.lease(msg.worker)
+        if lease is None:
+            return PoolReply(True)
+        if lease.pid != msg.pid or not process_gone(msg.pid):
+            return PoolReply(False, error=f"{msg.worker} is not pid {msg.pid}, or that process still runs")
+        epoch = self.ledger.fence(msg.worker) if lease.state == LeaseState.ACTIVE else lease.epoch
+        sealed, quarantined = self.ledger.reclaim(msg.worker)
+        self._reclaimed.add((msg.worker, epoch))
+        log.warning(
+            "%s (pid %d) died: fenced at epoch %d, %d sealed blocks kept for adoption, %d quarantined",
+            msg.worker,
+            msg.pid,
+            epoch,
+            len(sealed),
+            len(quarantined),
+        )
+        return PoolReply(True, epoch, block_ids=sealed)
 
     def _where(self, reply: PoolReply) -> PoolReply:
         reply.arena_path = self.arena.path

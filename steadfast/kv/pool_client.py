@@ -19,7 +19,7 @@ from steadfast import protocol
 from steadfast.kv.arena import KVArena
 from steadfast.kv.ledger import FencedError, LedgerError
 from steadfast.kv.sqlite_ledger import SqliteLedger
-from steadfast.protocol import PoolAttach, PoolGrant, PoolRegister, PoolRelease, PoolReply
+from steadfast.protocol import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolRelease, PoolReply, ToPool
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class PoolClient:
         self.sock.connect(self.address)
         return self.sock
 
-    def _call(self, msg: PoolRegister | PoolAttach | PoolGrant | PoolRelease, attempts: int | None = None) -> PoolReply:
+    def _call(self, msg: ToPool, attempts: int | None = None) -> PoolReply:
         sock = self.sock or self._connect()
         attempts = attempts or self.attempts
         for attempt in range(attempts):
@@ -75,6 +75,10 @@ class PoolClient:
     def attach(self, pid: int) -> PoolReply:
         """Where the arena and ledger are; takes no lease (inspectors, standbys)."""
         return self._call(PoolAttach(pid))
+
+    def fence_dead(self, worker: str, pid: int) -> list[int]:
+        """For the supervisor, which reaped `pid`: fence `worker` and reclaim; returns the sealed blocks kept."""
+        return self._call(PoolFence(worker, pid)).block_ids
 
     def grant(self, count: int) -> list[int]:
         return self._call(PoolGrant(self.worker, self.epoch, count)).block_ids

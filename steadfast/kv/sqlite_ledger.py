@@ -200,12 +200,36 @@ class SqliteLedger(Ledger):
             raise LedgerError("cannot grant a negative number of blocks")
         with self._tx() as c:
             self._check_lease(c, worker, epoch)
-            ids = [r[0] for r in c.execute("SELECT id FROM blocks WHERE state = 'FREE' ORDER BY id LIMIT ?", (count,))]
+            ids = [
+                r[0]
+                for r in c.execute(
+                    "SELECT id FROM blocks WHERE owner IS NULL AND state IN ('FREE', 'QUARANTINED', 'SEALED') "
+                    "ORDER BY CASE state WHEN 'FREE' THEN 0 WHEN 'QUARANTINED' THEN 1 ELSE 2 END, id LIMIT ?",
+                    (count,),
+                )
+            ]
             c.executemany(
-                "UPDATE blocks SET state = 'OWNED', owner = ?, epoch = ?, refs = 1 WHERE id = ? AND state = 'FREE'",
+                "UPDATE blocks SET state = 'OWNED', owner = ?, epoch = ?, refs = 1, request = NULL, hash = NULL, "
+                "tier = NULL WHERE id = ?",
                 ((worker, epoch, i) for i in ids),
             )
         return ids
+
+    def adopt(self, worker: str, epoch: int, blocks: Sequence[tuple[int, bytes]]) -> None:
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            for block_id, digest in blocks:
+                row = c.execute("SELECT state, owner, epoch, hash FROM blocks WHERE id = ?", (block_id,)).fetchone()
+                if row is None:
+                    raise LedgerError(f"no block {block_id}")
+                state, owner, block_epoch, recorded = row
+                if state != BlockState.SEALED.value or recorded != digest:
+                    raise LedgerError(f"block {block_id} is {state} with another hash: not adoptable")
+                if owner == worker and block_epoch == epoch:
+                    continue
+                if owner is not None:
+                    raise LedgerError(f"block {block_id} belongs to {owner}: not adoptable")
+                c.execute("UPDATE blocks SET owner = ?, epoch = ?, refs = 1 WHERE id = ?", (worker, epoch, block_id))
 
     def _owned(self, c: sqlite3.Cursor, worker: str, epoch: int, block_id: int, states: tuple[str, ...]) -> str:
         row = c.execute("SELECT state, owner, epoch FROM blocks WHERE id = ?", (block_id,)).fetchone()
@@ -275,8 +299,12 @@ class SqliteLedger(Ledger):
         with self._tx() as c:
             self._check_lease(c, worker, epoch)
             for r in records:
-                row = c.execute("SELECT owner FROM requests WHERE id = ?", (r.request_id,)).fetchone()
-                if row is not None and row[0] not in (None, worker):
+                row = c.execute(
+                    "SELECT r.owner, l.state FROM requests r LEFT JOIN leases l ON l.worker = r.owner WHERE r.id = ?",
+                    (r.request_id,),
+                ).fetchone()
+                # A request whose owner was fenced is up for takeover; a live owner's is not.
+                if row is not None and row[0] not in (None, worker) and row[1] == LeaseState.ACTIVE.value:
                     raise FencedError(f"request {r.request_id} belongs to {row[0]}, not {worker}")
                 c.execute(
                     "INSERT OR REPLACE INTO requests (id, prompt, params, generated, delivered, owner, epoch, phase, "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from steadfast.config import Config
 from steadfast.kv.arena import TORCH_DTYPES, ArenaSpec, KVArena
 from steadfast.kv.block_manager import BlockManager, BlockSource
+from steadfast.kv.ledger import LedgerError
 from steadfast.model.gguf_loader import LlamaConfig, load_weights, open_gguf, read_config
 from steadfast.model.llama import LlamaModel
 from steadfast.model.tokenizer import GGUFTokenizer
@@ -128,9 +129,63 @@ class Engine:
             self._reject(msg, f"request needs more KV blocks than this worker has ({self.blocks.num_blocks})")
             return
         request = Request(msg.request_id, msg.prompt_ids, msg.params, msg.priority)
+        detok = Detokenizer(self.tokenizer, msg.prompt_ids, msg.params.stop)
+        if msg.resume is not None:
+            if not self._resume(request, detok, msg):
+                return
         self.requests[msg.request_id] = request
-        self._detok[msg.request_id] = Detokenizer(self.tokenizer, msg.prompt_ids, msg.params.stop)
+        self._detok[msg.request_id] = detok
         self.scheduler.add(request)
+
+    def _resume(self, request: Request, detok: Detokenizer, msg: AddRequest) -> bool:
+        """Continue a request a dead worker was serving, from what its client already has."""
+        assert msg.resume is not None
+        done = msg.resume.output_ids
+        if len(done) >= msg.params.max_tokens or len(msg.prompt_ids) + len(done) >= self.max_model_len:
+            self._reject(msg, f"request {msg.request_id} was already complete when its worker died")
+            return False
+        request.output_ids = list(done)
+        for token in done:  # the text state as the client saw it: stop-string holdback included
+            detok.add(token)
+        detok.sent = min(msg.resume.text_chars, len(detok.text))
+        request.recovery = self._recover(request)
+        request.resume_tokens = request.num_tokens
+        log.info(
+            "took over %s from worker %d at token %d: %s, %d tokens of KV adopted",
+            request.request_id,
+            msg.resume.from_worker,
+            len(done),
+            request.recovery[0],
+            request.recovery[1],
+        )
+        return True
+
+    def _recover(self, request: Request) -> tuple[str, int]:
+        """Pick the takeover route; return it and how many tokens of KV were adopted.
+
+        ledger_first adopts the dead worker's sealed, hash-verified blocks and recomputes only the tail;
+        rebuild recomputes prompt and delivered tokens. auto adopts whenever anything verifies (hashing
+        a block costs far less than recomputing it). Any disagreement between ledger and arena means
+        rebuild: suspect bytes are never adopted.
+        """
+        mode = self.cfg.fault_recovery.kv_cache.recovery_mode
+        if self.sync is None or mode == "rebuild":
+            return "rebuild", 0
+        bs = self.blocks.block_size
+        ids = request.all_ids
+        plan = self.sync.adoptable(request.request_id, ids, bs)
+        if not plan:
+            return "rebuild", 0
+        names = self.blocks.chain(ids, len(plan))
+        # Blocks whose content this worker already caches need no adoption.
+        wanted = [(pos, b, h) for pos, b, h in plan if not self.blocks.is_cached(names[pos])]
+        try:
+            self.sync.adopt([(b, h) for _, b, h in wanted])
+        except LedgerError as exc:  # taken by someone else meanwhile: recompute rather than share
+            log.warning("request %s: adoption refused (%s); rebuilding", request.request_id, exc)
+            return "rebuild", 0
+        self.blocks.adopt(ids, [(pos, b) for pos, b, _ in wanted])
+        return "ledger_first", len(plan) * bs
 
     def _reject(self, msg: AddRequest, why: str) -> None:
         self._pending.append(
@@ -197,7 +252,12 @@ class Engine:
             reason,
             num_prompt_tokens=len(request.prompt_ids),
             num_cached_tokens=request.num_cached,
+            index=len(request.output_ids) - 1,
         )
+        if request.recovery is not None:  # the first token after a takeover reports what it cost
+            out.route, out.adopted_tokens = request.recovery
+            out.recomputed_tokens = request.resume_tokens - request.num_cached
+            request.recovery = None
         if reason is not None:
             self.scheduler.remove(request.request_id)
             self._finish(request, reason)

@@ -17,7 +17,7 @@ import msgspec
 from steadfast.config import Config
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.kv.ledger import FencedError, RequestCheckpoint
+from steadfast.kv.ledger import BlockState, FencedError, RequestCheckpoint
 from steadfast.kv.pool_client import LeaseKeeper, LeaseLostError, PoolClient
 from steadfast.kv.sqlite_ledger import SqliteLedger
 from steadfast.worker.request import Request, Status
@@ -77,6 +77,41 @@ class LedgerSync:
             self._ledger_sealed.update(b for b, _ in seals)
             self._sealed_pending.clear()
             self.seal_seconds += time.perf_counter() - t0
+
+    def adoptable(self, request_id: str, token_ids: list[int], block_size: int) -> list[tuple[int, int, bytes]] | None:
+        """Blocks of a dead worker's request that may be adopted for `token_ids`: (position, block, hash).
+
+        From the request's last checkpoint, the leading blocks that are SEALED, nobody's, hold tokens
+        equal to `token_ids` there, and whose bytes still hash to what was sealed. The run stops at the
+        first block that is not sealed (filled after the last seal: recomputed). None when a sealed
+        block's bytes disagree with its hash: then nothing of this request is trusted.
+        """
+        ck = self.ledger.request(request_id)
+        if ck is None:
+            return []
+        known = ck.prompt_ids + ck.generated_ids
+        # At least one token is always computed again: its logits give the next token.
+        limit = min(len(ck.block_table), (len(token_ids) - 1) // block_size)
+        rows = {b.block_id: b for b in self.ledger.blocks()}
+        plan = []
+        for pos in range(limit):
+            span = slice(pos * block_size, (pos + 1) * block_size)
+            block = rows.get(ck.block_table[pos])
+            if known[span] != token_ids[span] or block is None or block.state is not BlockState.SEALED:
+                break
+            if block.owner not in (None, self.worker) or not block.hash:
+                break
+            if self.arena.digest(block.block_id) != block.hash:
+                log.error("request %s: block %d bytes disagree with its sealed hash", request_id, block.block_id)
+                return None
+            plan.append((pos, block.block_id, block.hash))
+        return plan
+
+    def adopt(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Make verified sealed blocks ours in the ledger (all or none; LedgerError if any was taken)."""
+        if blocks:
+            self._write(self.ledger.adopt, blocks)
+            self._ledger_sealed.update(b for b, _ in blocks)
 
     def finished(self, request: Request) -> None:
         self._finished.append(request)

@@ -29,6 +29,9 @@ class Request:
         self.num_cached = 0  # prompt tokens found in the prefix cache at first admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None
+        # A taken-over request: (route, tokens of KV adopted) until its first new token reports them.
+        self.recovery: tuple[str, int] | None = None
+        self.resume_tokens = 0  # tokens it had (prompt + delivered) when it was taken over
 
     @property
     def all_ids(self) -> list[int]:

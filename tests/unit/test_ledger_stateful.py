@@ -123,6 +123,14 @@ class LedgerMachine(RuleBasedStateMachine):
         owned = self._owned(worker, (BlockState.OWNED, BlockState.SEALED))
         self._try(self.ledger.free, worker, self._epoch(worker, stale), owned[: take + 1] if owned else [take])
 
+    @rule(worker=st.sampled_from(WORKERS), stale=STALE, pick=st.integers(0, BLOCKS), forged=st.booleans())
+    def adopt(self, worker: str, stale: bool, pick: int, forged: bool) -> None:
+        # Mostly an ownerless sealed block with its true hash; sometimes any block, or a wrong hash.
+        orphans = [b.block_id for b in self.inner.blocks() if b.state == BlockState.SEALED and b.owner is None]
+        block = orphans[pick % len(orphans)] if orphans else pick % BLOCKS
+        digest = b"forged" if forged else b"h%d" % block
+        self._try(self.ledger.adopt, worker, self._epoch(worker, stale), [(block, digest)])
+
     @precondition(lambda self: any(lease.state != LeaseState.ACTIVE for lease in self.inner.leases()))
     @rule(worker=st.sampled_from(WORKERS))
     def reclaim(self, worker: str) -> None:
