@@ -138,10 +138,14 @@ class ServerConfig:
     # The router's CPU niceness: workers' forward passes are the bottleneck, and a router thread that
     # preempts one of a worker's OpenMP threads stalls the whole team at the next barrier.
     router_nice: int = 10
+    # Hot standbys: loaded, arena mapped, no traffic until a worker dies and one takes its requests.
+    standby_workers: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError("server.port must be in 0..65535")
+        if self.standby_workers < 0:
+            raise ConfigError("server.standby_workers must be >= 0")
         if not 0 <= self.router_nice <= 19:
             raise ConfigError("server.router_nice must be in 0..19")
         if self.workers < 1:
@@ -218,10 +222,25 @@ class RequestRecoveryConfig:
 
 
 @dataclass(frozen=True)
+class TakeoverConfig:
+    # Requests of dead workers being moved at once; the rest wait their turn, high priority first.
+    max_concurrent: int = 32
+    # Seconds a dead worker's request may wait for a worker to take it before it fails with an error.
+    wait_timeout: float = field(default=120.0, metadata={"duration": True})
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1:
+            raise ConfigError("fault_recovery.takeover.max_concurrent must be >= 1")
+        if self.wait_timeout <= 0:
+            raise ConfigError("fault_recovery.takeover.wait_timeout must be positive")
+
+
+@dataclass(frozen=True)
 class FaultRecoveryConfig:
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     kv_cache: LedgerConfig = field(default_factory=LedgerConfig)
     request: RequestRecoveryConfig = field(default_factory=RequestRecoveryConfig)
+    takeover: TakeoverConfig = field(default_factory=TakeoverConfig)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class Prepared:
     prompt_ids: list[int]
     add: AddRequest
     include_usage: bool
+    return_token_ids: bool = False
 
 
 def _prepare(
@@ -101,7 +102,8 @@ def _prepare(
     )
     rid = f"{prefix}-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(rid, prompt_ids, AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority]), include_usage)
+    add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])
+    return Prepared(rid, prompt_ids, add, include_usage, body.return_token_ids)
 
 
 def _check(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -121,9 +123,10 @@ def _check(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest)
 _json = msgspec.json.Encoder()
 
 
-def _sse(data: dict[str, Any] | str) -> bytes:
+def _sse(data: dict[str, Any] | str, event_id: str = "") -> bytes:
     payload = data.encode() if isinstance(data, str) else _json.encode(data)
-    return b"data: " + payload + b"\n\n"
+    head = f"id: {event_id}\n".encode() if event_id else b""
+    return head + b"data: " + payload + b"\n\n"
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -230,13 +233,16 @@ async def _respond(
     result = await _collect(gen, http)
     if result is None:
         return Response(status_code=499)  # the client left; its request was aborted
-    text, _ = result
+    text, ids = result
+    first = {**choice(text), "finish_reason": gen.finish_reason}
+    if prepared.return_token_ids:
+        first["token_ids"] = ids
     body = {
         "id": prepared.request_id,
         "object": obj,
         "created": int(time.time()),
         "model": ctx.model_name,
-        "choices": [{**choice(text), "finish_reason": gen.finish_reason}],
+        "choices": [first],
         "usage": _usage(len(prepared.prompt_ids), gen.completion_tokens, gen.cached_tokens),
     }
     return JSONResponse(body)
@@ -295,7 +301,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
             rows.append(
                 {
                     "id": w.worker_id,
-                    "role": s.role if s else None,
+                    "role": w.role,
                     "pid": s.pid if s else None,
                     "state": "dead" if w.dead else (s.state if s else "starting"),
                     "kv_blocks_used": s.kv_blocks_used if s else 0,
@@ -309,6 +315,23 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 }
             )
         return rows
+
+    @app.get("/admin/takeovers")
+    async def admin_takeovers() -> list[dict[str, Any]]:
+        """Requests moved off dead workers: from where to where, at which token, by which route, at what cost."""
+        return [
+            {
+                "request_id": t.request_id,
+                "from_worker": t.from_worker,
+                "to_worker": t.to_worker,
+                "at_token": t.at_token,
+                "route": t.route,
+                "adopted_tokens": t.adopted_tokens,
+                "recomputed_tokens": t.recomputed_tokens,
+                "first_token_ms": None if t.first_token_s is None else 1000 * t.first_token_s,
+            }
+            for t in ctx.client.takeovers
+        ]
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -378,7 +401,7 @@ async def _stream(
     p = gen.p
     created = int(time.time())
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    def chunk(choices: list[dict[str, Any]], event_id: str = "", **extra: Any) -> bytes:
         return _sse(
             {
                 "id": p.request_id,
@@ -387,7 +410,8 @@ async def _stream(
                 "model": ctx.model_name,
                 "choices": choices,
                 **extra,
-            }
+            },
+            event_id,
         )
 
     outputs = gen.outputs()
@@ -398,8 +422,12 @@ async def _stream(
             if out.finish_reason == "error":
                 yield _sse(_error_output(out).body())
                 break
-            if out.text or out.finish_reason:
-                yield chunk([make_choice(out.text, out.finish_reason)])
+            if out.text or out.finish_reason or (p.return_token_ids and out.token_ids):
+                choice = make_choice(out.text, out.finish_reason)
+                if p.return_token_ids:
+                    choice["token_ids"] = out.token_ids
+                # The event id names how many tokens the client holds after it: a resume point.
+                yield chunk([choice], f"{p.request_id}:{gen.completion_tokens}")
         if p.include_usage:
             yield chunk([], usage=_usage(len(p.prompt_ids), gen.completion_tokens, gen.cached_tokens))
         yield _sse("[DONE]")

@@ -1,9 +1,12 @@
-"""The router's view of its workers: send requests over ZeroMQ, route outputs back to each caller.
+"""The router's view of its workers: send requests over ZeroMQ, route outputs back to each caller, and
+move a dead worker's requests to a live one without the caller noticing.
 
-One PULL socket receives every worker's outputs and status reports; one PUSH socket per worker sends
-requests. A caller iterates `generate()`; leaving the iteration early (client gone) aborts the request
-on its worker. A worker that stops reporting is marked dead and its requests end with an error,
-never silently.
+One PULL socket receives every worker's outputs and status reports, and the supervisor's notices of
+workers dying and joining; one PUSH socket per worker sends requests. For each request in flight the
+router keeps what its client has been given (token ids, characters of text): that record, not any
+worker's, decides what is sent next. An output is forwarded only if it comes from the request's current
+owner and carries exactly the next token index, so after a takeover no token is sent twice and none is
+skipped. A caller iterates `generate()`; leaving early (client gone) aborts the request on its owner.
 """
 
 from __future__ import annotations
@@ -19,7 +22,17 @@ import zmq
 import zmq.asyncio
 
 from steadfast import protocol
-from steadfast.protocol import AbortRequest, AddRequest, RequestOutput, StepOutputs, WorkerStatus
+from steadfast.config import TakeoverConfig
+from steadfast.protocol import (
+    AbortRequest,
+    AddRequest,
+    RequestOutput,
+    Resume,
+    StepOutputs,
+    WorkerDied,
+    WorkerJoined,
+    WorkerStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +46,20 @@ class WorkerHandle:
     worker_id: int
     address: str
     sock: zmq.asyncio.Socket
+    role: str = "mixed"  # "mixed" takes traffic; "standby" waits to take over a dead worker's
     status: WorkerStatus | None = None
     last_seen: float = 0.0
     dead: bool = False
+    unresponsive: bool = False  # silent past the limit: no new requests until it reports again
     in_flight: set[str] = field(default_factory=set)
 
     @property
     def ready(self) -> bool:
-        return not self.dead and self.status is not None and self.status.state == "ready"
+        return not self.dead and not self.unresponsive and self.status is not None and self.status.state == "ready"
+
+    @property
+    def active(self) -> bool:
+        return self.role != "standby"
 
     @property
     def load(self) -> int:
@@ -48,22 +67,69 @@ class WorkerHandle:
         return len(self.in_flight)
 
 
+@dataclass
+class Flight:
+    """One request in flight and what its client has received."""
+
+    add: AddRequest
+    queue: asyncio.Queue[RequestOutput]
+    owner: int
+    delivered: list[int] = field(default_factory=list)
+    text_chars: int = 0
+    moving: bool = False  # being taken over: no owner answers for it right now
+
+
+@dataclass
+class Takeover:
+    """A record of one request moved off a dead worker (exposed at /admin/takeovers)."""
+
+    request_id: str
+    from_worker: int
+    to_worker: int
+    at_token: int
+    started: float
+    first_token_s: float | None = None
+    route: str = ""
+    adopted_tokens: int = 0
+    recomputed_tokens: int = 0
+    answered: asyncio.Event = field(default_factory=asyncio.Event)  # the new owner's first output came
+
+
 class EngineClient:
-    def __init__(self, worker_addresses: list[str], output_address: str, status_interval_s: float) -> None:
+    def __init__(
+        self,
+        workers: list[tuple[str, str]],
+        output_address: str,
+        status_interval_s: float,
+        takeover: TakeoverConfig | None = None,
+    ) -> None:
+        """`workers`: (input address, role) of each worker, ids in order."""
         self.ctx = zmq.asyncio.Context()
         self.output_address = output_address
         self.status_interval_s = status_interval_s
+        self.takeover_cfg = takeover or TakeoverConfig()
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.bind(output_address)
-        self.workers: list[WorkerHandle] = []
-        for i, address in enumerate(worker_addresses):
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            self.workers.append(WorkerHandle(i, address, sock))
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._owner: dict[str, WorkerHandle] = {}
+        self._workers: dict[int, WorkerHandle] = {}
+        for i, (address, role) in enumerate(workers):
+            self._add_worker(i, address, role)
+        self._flights: dict[str, Flight] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._moves = asyncio.Semaphore(self.takeover_cfg.max_concurrent)
+        self.takeovers: list[Takeover] = []
+        self._pending_takeover: dict[str, Takeover] = {}
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return list(self._workers.values())
+
+    def _add_worker(self, worker_id: int, address: str, role: str) -> WorkerHandle:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        handle = WorkerHandle(worker_id, address, sock, role)
+        self._workers[worker_id] = handle
+        return handle
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
@@ -78,82 +144,190 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        return bool(self.workers) and all(w.ready for w in self.workers)
+        """Every worker taking traffic is ready, and there is at least one (standbys may be loading)."""
+        active = [w for w in self._workers.values() if w.active and not w.dead]
+        return bool(active) and all(w.ready for w in active)
 
-    def _pick(self) -> WorkerHandle:
-        candidates = [w for w in self.workers if w.ready]
-        if not candidates:
-            raise EngineDeadError("no worker is ready")
-        return min(candidates, key=lambda w: (w.load, w.worker_id))
+    def _pick(self, exclude: int = -1) -> WorkerHandle | None:
+        live = [w for w in self._workers.values() if w.ready and w.worker_id != exclude]
+        active = [w for w in live if w.active]
+        if active:
+            return min(active, key=lambda w: (w.load, w.worker_id))
+        standby = min((w for w in live if not w.active), key=lambda w: w.worker_id, default=None)
+        if standby is not None:
+            self._promote(standby)
+        return standby
+
+    def _promote(self, w: WorkerHandle) -> None:
+        log.warning("promoting standby worker %d to take traffic", w.worker_id)
+        w.role = "mixed"
 
     async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, in order, ending with the one that carries a finish_reason."""
         worker = self._pick()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        if worker is None:
+            raise EngineDeadError("no worker is ready")
         rid = request.request_id
-        self._queues[rid] = queue
-        self._owner[rid] = worker
+        flight = Flight(request, asyncio.Queue(), worker.worker_id)
+        self._flights[rid] = flight
         worker.in_flight.add(rid)
         finished = False
         try:
             await worker.sock.send(protocol.encode(request))
             while True:
-                out = await queue.get()
+                out = await flight.queue.get()
                 finished = out.finish_reason is not None
                 yield out
                 if finished:
                     return
         finally:
-            self._queues.pop(rid, None)
-            self._owner.pop(rid, None)
-            worker.in_flight.discard(rid)
-            if not finished and not worker.dead:
-                await self.abort(worker, rid)
+            self._flights.pop(rid, None)
+            owner = self._workers.get(flight.owner)
+            if owner is not None:
+                owner.in_flight.discard(rid)
+                if not finished and not owner.dead:
+                    await self.abort(owner, rid)
 
     async def abort(self, worker: WorkerHandle, request_id: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
             await worker.sock.send(protocol.encode(AbortRequest([request_id])))
 
+    # --- outputs -------------------------------------------------------------------------------
     async def _receive(self) -> None:
         while True:
             msg = protocol.decode_from_worker(await self._pull.recv())
             if isinstance(msg, StepOutputs):
-                for out in msg.outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-                    if out.finish_reason is not None:
-                        self.workers[msg.worker_id].in_flight.discard(out.request_id)
-                self.workers[msg.worker_id].last_seen = time.monotonic()
+                self._deliver(msg)
             elif isinstance(msg, WorkerStatus):
-                w = self.workers[msg.worker_id]
+                w = self._workers.get(msg.worker_id)
+                if w is None:
+                    continue
                 w.status, w.last_seen = msg, time.monotonic()
-                if w.dead and msg.state == "ready":
-                    log.warning("worker %d reports again; taking it back", w.worker_id)
-                    w.dead = False
+            elif isinstance(msg, WorkerDied):
+                w = self._workers.get(msg.worker_id)
+                if w is not None and not w.dead:
+                    log.error("worker %d (pid %d) died with code %d", msg.worker_id, msg.pid, msg.exit_code)
+                    self._lost(w)
+            elif isinstance(msg, WorkerJoined):
+                if msg.worker_id not in self._workers:
+                    log.info("worker %d joined as %s at %s", msg.worker_id, msg.role, msg.address)
+                    self._add_worker(msg.worker_id, msg.address, msg.role)
 
+    def _deliver(self, msg: StepOutputs) -> None:
+        w = self._workers.get(msg.worker_id)
+        if w is not None:
+            w.last_seen = time.monotonic()
+        for out in msg.outputs:
+            flight = self._flights.get(out.request_id)
+            if flight is None or flight.owner != msg.worker_id or flight.moving:
+                continue  # finished, aborted, or from a worker that no longer owns it (dead, fenced)
+            if out.token_ids and out.index != len(flight.delivered):
+                # Exactly once, in order: a token already given to the client is never given again.
+                log.warning(
+                    "request %s: dropped output at index %d, client has %d tokens",
+                    out.request_id,
+                    out.index,
+                    len(flight.delivered),
+                )
+                continue
+            flight.delivered.extend(out.token_ids)
+            flight.text_chars += len(out.text)
+            if out.request_id in self._pending_takeover:
+                self._record_takeover(out)
+            flight.queue.put_nowait(out)
+            if out.finish_reason is not None and w is not None:
+                w.in_flight.discard(out.request_id)
+
+    def _record_takeover(self, out: RequestOutput) -> None:
+        t = self._pending_takeover.pop(out.request_id)
+        t.answered.set()
+        t.first_token_s = time.monotonic() - t.started
+        t.route, t.adopted_tokens, t.recomputed_tokens = out.route, out.adopted_tokens, out.recomputed_tokens
+        log.info(
+            "request %s taken over by worker %d at token %d: %s, %d adopted, %d recomputed, first token after %.0f ms",
+            t.request_id,
+            t.to_worker,
+            t.at_token,
+            t.route,
+            t.adopted_tokens,
+            t.recomputed_tokens,
+            1000 * t.first_token_s,
+        )
+
+    # --- failure -------------------------------------------------------------------------------
     async def _watch(self) -> None:
-        """Declare a worker dead after several missed reports and fail what it was serving."""
+        """Take a worker that stops reporting out of rotation for new requests until it reports again.
+
+        Its requests stay where they are: a silent worker may only be slow. Requests move when its
+        death is certain: the supervisor reaps it (a hung worker's lease expires, the pool fences it,
+        the supervisor kills the fenced process) and says so with WorkerDied.
+        """
         limit = max(5 * self.status_interval_s, 3.0)
         while True:
             await asyncio.sleep(self.status_interval_s)
             now = time.monotonic()
-            for w in self.workers:
+            for w in self._workers.values():
                 if w.status is None or w.dead or w.status.state == "loading":
                     continue
-                if now - w.last_seen > limit:
-                    w.dead = True
+                silent = now - w.last_seen > limit
+                if silent and not w.unresponsive:
                     log.error(
-                        "worker %d silent for %.1fs: failing its %d requests",
-                        w.worker_id,
-                        now - w.last_seen,
-                        len(w.in_flight),
+                        "worker %d silent for %.1fs: no new requests until it reports", w.worker_id, now - w.last_seen
                     )
-                    self.fail_worker(w, "the worker serving this request stopped responding")
+                w.unresponsive = silent
 
-    def fail_worker(self, worker: WorkerHandle, why: str) -> None:
-        for rid in list(worker.in_flight):
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(RequestOutput(rid, [], finish_reason="error", error=why))
-        worker.in_flight.clear()
+    def _lost(self, w: WorkerHandle) -> None:
+        """Stop listening to a worker and move each of its requests, high priority first."""
+        w.dead = True
+        was_active = w.active
+        w.role = "dead"
+        moving = sorted(
+            (f for f in self._flights.values() if f.owner == w.worker_id),
+            key=lambda f: f.add.priority,
+        )
+        w.in_flight.clear()
+        for flight in moving:
+            flight.moving = True
+            self._tasks.append(asyncio.create_task(self._move(flight, w.worker_id)))
+        if was_active and not any(x.active and not x.dead for x in self._workers.values()):
+            standby = min((x for x in self._workers.values() if x.ready), key=lambda x: x.worker_id, default=None)
+            if standby is not None:
+                self._promote(standby)
+        self._workers.pop(w.worker_id, None)
+        with contextlib.suppress(zmq.ZMQError):
+            w.sock.close(linger=0)
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def _move(self, flight: Flight, dead: int) -> None:
+        rid = flight.add.request_id
+        async with self._moves:
+            deadline = time.monotonic() + self.takeover_cfg.wait_timeout
+            target = self._pick(exclude=dead)
+            while target is None:
+                if time.monotonic() > deadline or rid not in self._flights:
+                    break
+                await asyncio.sleep(0.05)
+                target = self._pick(exclude=dead)
+            if rid not in self._flights:
+                return  # its client left meanwhile
+            if target is None:
+                flight.moving = False
+                flight.queue.put_nowait(
+                    RequestOutput(rid, [], finish_reason="error", error="its worker died and no other could take it")
+                )
+                return
+            resume = Resume(list(flight.delivered), flight.text_chars, dead)
+            add = AddRequest(rid, flight.add.prompt_ids, flight.add.params, flight.add.priority, resume=resume)
+            record = Takeover(rid, dead, target.worker_id, len(flight.delivered), time.monotonic())
+            self._pending_takeover[rid] = record
+            self.takeovers.append(record)
+            del self.takeovers[:-1000]
+            flight.owner = target.worker_id
+            flight.moving = False
+            target.in_flight.add(rid)
+            await target.sock.send(protocol.encode(add))
+            log.warning("request %s: worker %d died, resuming on worker %d", rid, dead, target.worker_id)
+            # Storm control: this slot stays taken until the new owner answers (or the request ends).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(record.answered.wait(), self.takeover_cfg.wait_timeout)
+            self._pending_takeover.pop(rid, None)

@@ -22,11 +22,11 @@ from steadfast.worker.engine import max_model_len
 log = logging.getLogger("steadfast.router")
 
 
-async def serve(cfg_json: str, workers: list[str], output: str) -> None:
+async def serve(cfg_json: str, workers: list[tuple[str, str]], output: str) -> None:
     cfg = config_from_dict(json.loads(cfg_json))
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
-    client = EngineClient(workers, output, cfg.server.status_interval_s)
+    client = EngineClient(workers, output, cfg.server.status_interval_s, cfg.fault_recovery.takeover)
     await client.start()
     ctx = ServingContext(
         client=client,
@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Steadfast router process")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--worker", action="append", required=True, help="a worker's input address (repeat)")
+    parser.add_argument("--standby", action="append", default=[], help="a standby's input address (repeat)")
     parser.add_argument("--output", required=True, help="address to bind for worker outputs")
     args = parser.parse_args()
     die_with_parent()
@@ -59,7 +60,9 @@ def main() -> None:
     nice = config_from_dict(json.loads(args.config_json)).server.router_nice
     if nice:
         os.nice(nice)
-    asyncio.run(serve(args.config_json, args.worker, args.output))
+    # Worker ids follow the order given: the workers first, then the standbys.
+    workers = [(a, "mixed") for a in args.worker] + [(a, "standby") for a in args.standby]
+    asyncio.run(serve(args.config_json, workers, args.output))
 
 
 if __name__ == "__main__":

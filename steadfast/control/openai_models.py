@@ -2,7 +2,7 @@
 
 Fields OpenAI defines that Steadfast does not implement are accepted only at their neutral value; any
 other value is a 400 naming the field, never silently ignored. Extensions: `top_k`, `priority`,
-`ignore_eos`, `stop_token_ids`.
+`ignore_eos`, `stop_token_ids`, `return_token_ids` (each choice also carries its token ids).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class _Sampling(BaseModel):
     seed: StrictInt | None = None
     priority: Literal["high", "normal", "low"] = "normal"
     ignore_eos: StrictBool = False
+    return_token_ids: StrictBool = False
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     logit_bias: dict[str, Any] | None = None

@@ -153,7 +153,8 @@ class Ledger(abc.ABC):
     # --- requests -----------------------------------------------------------------------------
     @abc.abstractmethod
     def checkpoint(self, worker: str, epoch: int, records: Sequence[RequestCheckpoint]) -> None:
-        """Record request progress, all in one transaction."""
+        """Record request progress, all in one transaction. A request that a worker with a newer epoch
+        has checkpointed (it was taken over) is skipped: only its newest owner writes it."""
 
     @abc.abstractmethod
     def request(self, request_id: str) -> RequestCheckpoint | None: ...

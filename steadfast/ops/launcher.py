@@ -1,8 +1,12 @@
-"""`steadfast serve`: start the kvpool daemon, the workers and the router; wait until healthy; watch.
+"""`steadfast serve`: start the kvpool daemon, the workers, hot standbys and the router; wait until
+healthy; supervise.
 
 The kvpool daemon creates the node's KV arena and ledger, so that memory belongs to no engine process
 (with `external_ledger: false`, the launcher makes one private arena per worker instead). Nothing is
-reported as serving before /health says every worker is ready.
+reported as serving before /health says every worker is ready. Each child is watched through a pidfd,
+so a death is seen the instant it happens: a dead worker is reaped (its pid is then surely gone),
+fenced through the pool, announced to the router, which moves its requests to a standby, and a new
+standby is started in the background. A dead kvpool is restarted; it re-attaches arena and ledger.
 """
 
 from __future__ import annotations
@@ -21,10 +25,16 @@ from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 
 import httpx
+import zmq
 
+from steadfast import protocol
 from steadfast.config import Config
 from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.ledger import LeaseState
+from steadfast.kv.pool_client import PoolClient
+from steadfast.kv.sqlite_ledger import SqliteLedger
 from steadfast.model.gguf_loader import open_gguf, read_config
+from steadfast.protocol import WorkerDied, WorkerJoined
 from steadfast.worker.engine import arena_spec
 
 log = logging.getLogger("steadfast.launcher")
@@ -49,6 +59,10 @@ class Launcher:
     shared_files: list[str] = field(default_factory=list)
     pool_args: list[str] = field(default_factory=list)
     pool_restarts: int = 0
+    worker_deaths: int = 0
+    ledger_path: str = ""
+    next_worker_id: int = 0
+    _ledger: SqliteLedger | None = None
 
     @property
     def url(self) -> str:
@@ -64,39 +78,21 @@ class Launcher:
         if cfg.fault_recovery.kv_cache.external_ledger:
             # One arena for the node, owned by the kvpool daemon, which grants blocks to every worker.
             memory = self._start_pool(cfg_json, spec, str(Path(cfg.cache.arena_dir) / f"{tag}.kv"))
-            where = ["--pool", self.pool_address]
         else:
             memory = None
-        inputs = []
-        on_device = cfg.model.resolved_device != "cpu"
-        for i in range(cfg.server.workers):
-            if memory is None and on_device:
-                where = ["--device-arena"]  # device memory cannot be made here and handed over
-            elif memory is None:
-                arena = KVArena.create(str(Path(cfg.cache.arena_dir) / f"{tag}-w{i}.kv"), spec)
-                self.arenas.append(arena)
-                where = ["--arena", arena.path]
-            address = f"ipc://{self.run_dir}/worker{i}"
-            inputs.append(address)
-            self._spawn(
-                f"worker{i}",
-                [
-                    "steadfast.worker.main",
-                    "--config-json",
-                    cfg_json,
-                    "--worker-id",
-                    str(i),
-                    "--input",
-                    address,
-                    "--output",
-                    output,
-                    *where,
-                ],
-            )
+        self._cfg_json, self._output, self._tag, self._spec = cfg_json, output, tag, spec
+        self._shared_memory = memory is not None
+        addresses = [self._spawn_worker(i, "mixed") for i in range(cfg.server.workers)]
+        standbys = [self._spawn_worker(cfg.server.workers + i, "standby") for i in range(cfg.server.standby_workers)]
         router_args = ["steadfast.control.main", "--config-json", cfg_json, "--output", output]
-        for address in inputs:
+        for address in addresses:
             router_args += ["--worker", address]
+        for address in standbys:
+            router_args += ["--standby", address]
         self._spawn("router", router_args)
+        self._notices = zmq.Context.instance().socket(zmq.PUSH)  # supervisor → router: deaths, joins
+        self._notices.setsockopt(zmq.LINGER, 0)
+        self._notices.connect(output)
         log.info(
             "KV arena: %d blocks x %d tokens (%.0f MiB)%s",
             spec.num_blocks,
@@ -106,12 +102,77 @@ class Launcher:
         )
         self._wait_healthy()
 
+    def _spawn_worker(self, worker_id: int, role: str) -> str:
+        """Start worker `worker_id` (its lease is named after it); return its input address."""
+        if self._shared_memory:
+            where = ["--pool", self.pool_address]
+        elif self.cfg.model.resolved_device != "cpu":
+            where = ["--device-arena"]  # device memory cannot be made here and handed over
+        else:
+            arena = KVArena.create(str(Path(self.cfg.cache.arena_dir) / f"{self._tag}-w{worker_id}.kv"), self._spec)
+            self.arenas.append(arena)
+            where = ["--arena", arena.path]
+        address = f"ipc://{self.run_dir}/worker{worker_id}"
+        self.next_worker_id = max(self.next_worker_id, worker_id + 1)
+        self._spawn(
+            f"worker{worker_id}",
+            [
+                "steadfast.worker.main",
+                "--config-json",
+                self._cfg_json,
+                "--worker-id",
+                str(worker_id),
+                "--input",
+                address,
+                "--output",
+                self._output,
+                "--role",
+                role,
+                *where,
+            ],
+        )
+        return address
+
+    def _kill_fenced(self) -> None:
+        """A worker the pool fenced (its lease expired: hung, stopped) can never write again; end it,
+        so that its death is certain and its requests can move."""
+        if not self.ledger_path:
+            return
+        if self._ledger is None:
+            self._ledger = SqliteLedger(self.ledger_path)
+        fenced = {lease.worker for lease in self._ledger.leases() if lease.state == LeaseState.FENCED}
+        for c in self.children:
+            if c.name in fenced and c.proc.poll() is None:
+                log.error("%s (pid %d) was fenced while alive; killing it", c.name, c.proc.pid)
+                c.proc.kill()
+
+    def _worker_died(self, c: Child) -> Child:
+        """Reaped worker: fence it (pid confirmed gone), tell the router, start a standby in its place."""
+        worker_id = int(c.name.removeprefix("worker"))
+        code = c.proc.returncode
+        log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
+        if self._shared_memory:
+            try:
+                kept = PoolClient(self.pool_address, "supervisor", timeout_s=1.0, attempts=3).fence_dead(
+                    c.name, c.proc.pid
+                )
+                log.info("%s fenced; %d sealed blocks kept for adoption", c.name, len(kept))
+            except Exception as exc:  # the pool fences on lease expiry anyway; adoption then waits for it
+                log.warning("could not fence %s at once: %s", c.name, exc)
+        self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1)))
+        self.worker_deaths += 1
+        new_id = self.next_worker_id
+        address = self._spawn_worker(new_id, "standby")
+        self._notices.send(protocol.encode(WorkerJoined(new_id, address, "standby")))
+        return self.children[-1]
+
     @property
     def pool_address(self) -> str:
         return f"ipc://{self.run_dir}/kvpool"
 
     def _start_pool(self, cfg_json: str, spec: ArenaSpec, arena_path: str) -> str:
         ledger = self.cfg.fault_recovery.kv_cache.ledger_path or str(self.run_dir / "ledger.db")
+        self.ledger_path = ledger
         ready = self.run_dir / "kvpool.ready"
         self.pool_args = [
             "steadfast.kv.pool",
@@ -172,10 +233,16 @@ class Launcher:
         pidfds = {os.pidfd_open(c.proc.pid): c for c in self.children}
         try:
             while not stop["signal"]:
+                self._kill_fenced()
                 for fd in wait_sentinels(list(pidfds), timeout=0.5):
                     c = pidfds.pop(fd)  # type: ignore[call-overload]
                     os.close(fd)  # type: ignore[arg-type]
                     c.proc.wait()
+                    if c.name.startswith("worker") and not stop["signal"]:
+                        self.children.remove(c)
+                        fresh = self._worker_died(c)
+                        pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
+                        continue
                     if c.name == "kvpool":
                         # The arena and ledger outlive the daemon: a new one re-attaches both and the
                         # workers, which retry their pool requests, carry on.

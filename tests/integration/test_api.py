@@ -52,8 +52,9 @@ def test_models_health_admin(server, model):
     assert model == "SmolLM2-135M-Instruct.Q4_1"
     h = httpx.get(server.url + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
-    (w,) = workers(server)
+    w, standby = workers(server)  # one worker and, by default, one hot standby
     assert w["role"] == "mixed" and w["state"] == "ready" and w["pid"] > 0 and w["kv_blocks_total"] > 0
+    assert standby["role"] == "standby" and standby["pid"] != w["pid"]
 
 
 def test_chat_non_stream_and_stream_agree(client, model):

@@ -1,0 +1,174 @@
+"""Crash recovery through a whole `steadfast serve`: the active worker is `kill -9`ed several times while
+16 clients stream; every stream must carry on and end token-identical to a fault-free run.
+
+What the clients received is checked token by token (`return_token_ids`), with the SSE event ids
+proving no token came twice and none was skipped; each kill is checked to have landed (the pid is
+gone) and to have been taken over (the router's takeover records name the killed worker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from steadfast.kv.pool import process_gone
+from steadfast.protocol import AddRequest, SamplingParams
+from tests.conftest import PROMPTS
+from tests.integration.server import ServerProcess
+
+pytestmark = pytest.mark.chaos
+
+STREAMS = 16
+MAX_TOKENS = 48
+KILLS = 3
+
+CONFIG = """
+model: {dtype: float32, device: cpu}
+cache: {kv_memory_mb: 256}
+server: {standby_workers: 1}
+fault_recovery:
+  kv_cache: {snapshot_interval_steps: 4, recovery_mode: ledger_first}
+"""
+
+
+def request_specs() -> list[dict]:
+    specs = []
+    for i in range(STREAMS):
+        prompt = f"{PROMPTS[i % len(PROMPTS)]} (variant {i})"
+        temperature = 0.0 if i % 2 == 0 else 0.8  # greedy and seeded sampling
+        specs.append({"prompt": prompt, "temperature": temperature, "seed": 7000 + i})
+    return specs
+
+
+def reference(fp32_model, make_engine, cfg, specs) -> list[list[int]]:
+    tok = fp32_model.tokenizer
+    reqs = [
+        AddRequest(
+            f"r{i}",
+            tok.encode_chat([{"role": "user", "content": s["prompt"]}]),
+            SamplingParams(MAX_TOKENS, s["temperature"], seed=s["seed"], ignore_eos=True),
+        )
+        for i, s in enumerate(specs)
+    ]
+    out = make_engine(cfg, fp32_model).generate(reqs)
+    return [[t for o in out[f"r{i}"] for t in o.token_ids] for i in range(len(specs))]
+
+
+class Stream(threading.Thread):
+    def __init__(self, url: str, model: str, spec: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.model, self.spec = url, model, spec
+        self.tokens: list[int] = []
+        self.event_ids: list[str] = []
+        self.finish: str | None = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": self.spec["prompt"]}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": self.spec["temperature"],
+            "seed": self.spec["seed"],
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        self.event_ids.append(line[4:])
+                    elif line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            self.error = chunk["error"]["message"]
+                            return
+                        for choice in chunk["choices"]:
+                            self.tokens.extend(choice.get("token_ids", []))
+                            self.finish = choice.get("finish_reason") or self.finish
+        except Exception as exc:  # noqa: BLE001 - any failure is this stream's result
+            self.error = repr(exc)
+
+
+def admin(server: ServerProcess, what: str) -> list[dict]:
+    return httpx.get(f"{server.url}/admin/{what}", timeout=10).json()
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_killed_workers_streams_resume_token_exactly(tmp_path, fp32_model, make_engine, fp32_config):
+    specs = request_specs()
+    want = reference(fp32_model, make_engine, fp32_config, specs)
+    server = ServerProcess(tmp_path, CONFIG)
+    rng = random.Random(20261129)
+    killed: list[tuple[int, int]] = []  # (worker id, pid)
+    try:
+        server.wait_ready()
+        wait_until(
+            lambda: any(w["role"] == "standby" and w["state"] == "ready" for w in admin(server, "workers")),
+            60,
+            "a ready standby",
+        )
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        streams = [Stream(server.url, model, s) for s in specs]
+        for s in streams:
+            s.start()
+        for _ in range(KILLS):
+            # A random point mid-stream, once a hot standby is there to take over.
+            floor = len(killed) * MAX_TOKENS // (KILLS + 1) + rng.randint(2, MAX_TOKENS // (KILLS + 1))
+            wait_until(lambda f=floor: min(len(s.tokens) for s in streams) >= f, 120, f"every stream at {floor}")
+            workers = wait_until(
+                lambda: (
+                    (ws := admin(server, "workers"))
+                    and any(w["role"] == "standby" and w["state"] == "ready" for w in ws)
+                    and ws
+                ),
+                120,
+                "a ready standby",
+            )
+            (victim,) = [w for w in workers if w["role"] == "mixed"]
+            os.kill(victim["pid"], signal.SIGKILL)
+            wait_until(lambda v=victim: process_gone(v["pid"]), 10, "the killed worker to be gone")
+            killed.append((victim["id"], victim["pid"]))
+            wait_until(
+                lambda v=victim: any(t["from_worker"] == v["id"] for t in admin(server, "takeovers")),
+                60,
+                f"a takeover from worker {victim['id']}",
+            )
+        for s in streams:
+            s.join(timeout=300)
+
+        takeovers = admin(server, "takeovers")
+        for i, s in enumerate(streams):
+            assert s.error is None, (i, s.error)
+            assert s.finish == "length", (i, s.finish)
+            # Event ids count the tokens the client holds: strictly increasing, ending at the total.
+            counts = [int(e.rsplit(":", 1)[1]) for e in s.event_ids]
+            assert counts == sorted(set(counts)) and counts[-1] == MAX_TOKENS, (i, counts)
+            assert s.tokens == want[i], f"stream {i} differs from the fault-free run"
+        assert len(killed) == KILLS and len({pid for _, pid in killed}) == KILLS
+        for worker_id, _ in killed:
+            moved = [t for t in takeovers if t["from_worker"] == worker_id]
+            assert moved, f"no takeover recorded from worker {worker_id}"
+            assert all(t["first_token_ms"] is not None for t in moved)
+        routes = {t["route"] for t in takeovers}
+        assert "ledger_first" in routes, takeovers  # sealed blocks were adopted, not all recomputed
+    finally:
+        print(server.output()[-6000:])  # shown when the test fails
+        server.stop()
