@@ -173,19 +173,18 @@ class Engine:
             return "rebuild", 0
         bs = self.blocks.block_size
         ids = request.all_ids
-        plan = self.sync.adoptable(request.request_id, ids, bs)
+        names = self.blocks.chain(ids, (len(ids) - 1) // bs)
+        # Blocks whose content this worker already caches need no adoption.
+        plan = self.sync.adoptable(request.request_id, ids, bs, lambda pos: self.blocks.is_cached(names[pos]))
         if not plan:
             return "rebuild", 0
-        names = self.blocks.chain(ids, len(plan))
-        # Blocks whose content this worker already caches need no adoption.
-        wanted = [(pos, b, h) for pos, b, h in plan if not self.blocks.is_cached(names[pos])]
         try:
-            self.sync.adopt([(b, h) for _, b, h in wanted])
+            self.sync.adopt([(b, h) for _, b, h in plan])
         except LedgerError as exc:  # taken by someone else meanwhile: recompute rather than share
             log.warning("request %s: adoption refused (%s); rebuilding", request.request_id, exc)
             return "rebuild", 0
-        self.blocks.adopt(ids, [(pos, b) for pos, b, _ in wanted])
-        return "ledger_first", len(plan) * bs
+        self.blocks.adopt(ids, [(pos, b) for pos, b, _ in plan])
+        return "ledger_first", (plan[-1][0] + 1) * bs
 
     def _reject(self, msg: AddRequest, why: str) -> None:
         self._pending.append(
@@ -213,24 +212,28 @@ class Engine:
         if self.sync is not None:
             self.sync.before_execute(self.blocks)
         logits, samplers = self.runner.execute(scheduled)
-        self._advance(scheduled)
+        prompt_done = self._advance(scheduled)
         tokens = sample(logits, [r.params for r in samplers], [len(r.output_ids) for r in samplers])
         for request, token in zip(samplers, tokens, strict=True):
             outputs.append(self._append(request, token))
         self.steps += 1
         if self.sync is not None:
-            self.sync.after_step(self.requests.values(), self.blocks)
+            self.sync.after_step(self.requests.values(), self.blocks, prompt_done)
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += time.perf_counter() - t0
         return outputs
 
-    def _advance(self, scheduled: ScheduledStep) -> None:
+    def _advance(self, scheduled: ScheduledStep) -> bool:
+        """Count the computed KV; True if some request's prefill is now complete."""
         for request in scheduled.decodes:
             request.num_computed += 1
             self.blocks.commit(request.request_id, request.all_ids, request.num_computed)
+        prompt_done = False
         for request, n in scheduled.prefills:
             request.num_computed += n
             self.blocks.commit(request.request_id, request.all_ids, request.num_computed)
+            prompt_done |= request.num_computed == request.num_tokens
+        return prompt_done
 
     def _append(self, request: Request, token: int) -> RequestOutput:
         request.output_ids.append(token)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import msgspec
 
@@ -78,13 +78,17 @@ class LedgerSync:
             self._sealed_pending.clear()
             self.seal_seconds += time.perf_counter() - t0
 
-    def adoptable(self, request_id: str, token_ids: list[int], block_size: int) -> list[tuple[int, int, bytes]] | None:
+    def adoptable(
+        self, request_id: str, token_ids: list[int], block_size: int, cached: Callable[[int], bool]
+    ) -> list[tuple[int, int, bytes]] | None:
         """Blocks of a dead worker's request that may be adopted for `token_ids`: (position, block, hash).
 
         From the request's last checkpoint, the leading blocks that are SEALED, nobody's, hold tokens
-        equal to `token_ids` there, and whose bytes still hash to what was sealed. The run stops at the
-        first block that is not sealed (filled after the last seal: recomputed). None when a sealed
-        block's bytes disagree with its hash: then nothing of this request is trusted.
+        equal to `token_ids` there, and whose bytes still hash to what was sealed. `cached(position)`
+        says this worker already holds that block's content (adopted for another request): the run
+        goes on past it without adopting. The run stops at the first block that is neither (filled
+        after the last seal: recomputed). None when a sealed block's bytes disagree with its hash:
+        then nothing of this request is trusted.
         """
         ck = self.ledger.request(request_id)
         if ck is None:
@@ -96,10 +100,14 @@ class LedgerSync:
         plan = []
         for pos in range(limit):
             span = slice(pos * block_size, (pos + 1) * block_size)
-            block = rows.get(ck.block_table[pos])
-            if known[span] != token_ids[span] or block is None or block.state is not BlockState.SEALED:
+            if known[span] != token_ids[span]:
                 break
-            if block.owner not in (None, self.worker) or not block.hash:
+            if cached(pos):
+                continue
+            block = rows.get(ck.block_table[pos])
+            if block is None or block.state is not BlockState.SEALED or not block.hash:
+                break
+            if block.owner not in (None, self.worker):
                 break
             if self.arena.digest(block.block_id) != block.hash:
                 log.error("request %s: block %d bytes disagree with its sealed hash", request_id, block.block_id)
@@ -116,11 +124,13 @@ class LedgerSync:
     def finished(self, request: Request) -> None:
         self._finished.append(request)
 
-    def after_step(self, requests: Collection[Request], blocks: BlockManager) -> None:
+    def after_step(self, requests: Collection[Request], blocks: BlockManager, prompt_done: bool = False) -> None:
+        """`prompt_done`: a request finished its prefill this step. Checkpoint then too, so that its
+        prompt's blocks, usually most of its KV, can be adopted however soon its worker dies."""
         # A worker fenced while it computed must not hand out what it computed.
         self.lease.check()
         self.steps += 1
-        if self.steps % self.interval == 0:
+        if prompt_done or self.steps % self.interval == 0:
             self.checkpoint(requests, blocks)
 
     def checkpoint(self, requests: Collection[Request], blocks: BlockManager) -> None:

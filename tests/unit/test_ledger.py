@@ -129,9 +129,12 @@ def test_checkpoints_round_trip_and_are_owned(ledger):
     got = ledger.request("r1")
     assert (got.prompt_ids, got.generated_ids, got.delivered, got.block_table) == ([1, 2, 3], [9, 8], 2, [4, 5])
     assert (got.owner, got.epoch, got.phase) == ("w0", e0, "decode")
-    with pytest.raises(FencedError):
-        ledger.checkpoint("w1", e1, [rec])  # another worker's request
-    assert [r.request_id for r in ledger.requests("w0")] == ["r1"]
+    moved = RequestCheckpoint("r1", [1, 2, 3], '{"seed": 7}', [9, 8, 7], delivered=3, phase="decode")
+    ledger.checkpoint("w1", e1, [moved])  # taken over by a worker with a newer epoch: it owns it now
+    ledger.checkpoint("w0", e0, [rec])  # the old owner's stale view is skipped, not written over it
+    got = ledger.request("r1")
+    assert (got.owner, got.epoch, got.generated_ids) == ("w1", e1, [9, 8, 7])
+    assert [r.request_id for r in ledger.requests("w1")] == ["r1"] and ledger.requests("w0") == []
 
 
 def test_reopened_ledger_keeps_everything(tmp_path, clock):
