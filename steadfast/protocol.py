@@ -27,8 +27,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
 
 
 class Resume(msgspec.Struct, array_like=True):
-    """What the client already has of a request taken over from a dead worker: its tokens and how
-    many characters of their text were sent. The new owner continues from there, never resends."""
+    """Continue a request from known output tokens: those of a dead worker's request, or of a client
+    reconnecting with Last-Event-ID. `text_chars`: characters of text the client already holds (it may
+    hold more than `output_ids` spell when they come from an older checkpoint: the new owner then
+    regenerates the rest, and its text is not sent again)."""
 
     output_ids: list[int]
     text_chars: int
@@ -45,6 +47,12 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
+
+
+class Promote(msgspec.Struct, tag="promote", array_like=True):
+    """A standby now takes traffic: it reports the new role, so a restarted router knows it too."""
+
+    role: str = "mixed"
 
 
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -97,7 +105,7 @@ class WorkerJoined(msgspec.Struct, tag="joined", array_like=True):
     role: str  # "mixed" | "standby"
 
 
-ToWorker = AddRequest | AbortRequest
+ToWorker = AddRequest | AbortRequest | Promote
 FromWorker = StepOutputs | WorkerStatus | WorkerDied | WorkerJoined
 
 _encoder = msgspec.msgpack.Encoder()
@@ -109,7 +117,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_worker(data: bytes) -> AddRequest | AbortRequest:
+def decode_to_worker(data: bytes) -> AddRequest | AbortRequest | Promote:
     return _to_worker.decode(data)
 
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from steadfast.control.engine_client import EngineClient, EngineDeadError
+from steadfast.control.engine_client import EngineClient, EngineDeadError, UnknownRequestError
 from steadfast.control.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from steadfast.control.metrics import Metrics
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
@@ -48,6 +48,9 @@ class Prepared:
     add: AddRequest
     include_usage: bool
     return_token_ids: bool = False
+    # A reconnect (Last-Event-ID): the client holds this many tokens and characters of text already.
+    have_tokens: int = 0
+    have_chars: int = 0
 
 
 def _prepare(
@@ -146,7 +149,8 @@ class Generation:
         self.p = prepared
         self.arrival = time.perf_counter()
         self.last = self.arrival
-        self.completion_tokens = 0
+        self.completion_tokens = prepared.have_tokens
+        self.text_chars = prepared.have_chars
         self.cached_tokens = 0
         self.finish_reason: str | None = None
 
@@ -156,7 +160,7 @@ class Generation:
         m.prompt_tokens.inc(len(self.p.prompt_ids))
         first = True
         try:
-            async for out in self.ctx.client.generate(self.p.add):
+            async for out in self.ctx.client.generate(self.p.add, skip_until=self.p.have_tokens):
                 now = time.perf_counter()
                 if out.token_ids:
                     if first:
@@ -166,6 +170,7 @@ class Generation:
                         m.tpot.observe((now - self.last) / len(out.token_ids))
                     self.last = now
                     self.completion_tokens += len(out.token_ids)
+                    self.text_chars += len(out.text)
                     self.cached_tokens = out.num_cached_tokens
                     m.tokens(len(out.token_ids))
                 if out.finish_reason is not None:
@@ -226,7 +231,11 @@ async def _respond(
     obj: str,
     choice: Callable[[str], dict[str, Any]],
 ) -> Response:
-    """Run an admitted request: an SSE stream, or one JSON body once it is done."""
+    """Run an admitted request: an SSE stream, or one JSON body once it is done. A stream request
+    carrying `Last-Event-ID` continues the request that event belongs to instead of starting anew."""
+    last_event = http.headers.get("last-event-id")
+    if last_event and stream:
+        prepared = await _reconnect(ctx, prepared, last_event)
     gen = Generation(ctx, prepared)
     if stream:
         return StreamingResponse(streamer(ctx, gen), media_type="text/event-stream")
@@ -246,6 +255,31 @@ async def _respond(
         "usage": _usage(len(prepared.prompt_ids), gen.completion_tokens, gen.cached_tokens),
     }
     return JSONResponse(body)
+
+
+async def _reconnect(ctx: ServingContext, prepared: Prepared, last_event: str) -> Prepared:
+    try:
+        rid, tokens, chars = last_event.rsplit(":", 2)
+        have_tokens, have_chars = int(tokens), int(chars)
+        if have_tokens < 0 or have_chars < 0:
+            raise ValueError
+    except ValueError:
+        raise APIError(
+            f"Last-Event-ID {last_event!r} is not an id this server sent ('<request id>:<tokens>:<chars>').",
+            param="Last-Event-ID",
+            code="invalid_last_event_id",
+        ) from None
+    try:
+        add, skip = await ctx.client.resumption(rid, have_tokens, have_chars)
+    except UnknownRequestError:
+        raise APIError(
+            f"Request {rid} is unknown here or older than the idempotency window; it cannot be resumed.",
+            404,
+            type_="not_found_error",
+            param="Last-Event-ID",
+            code="request_not_found",
+        ) from None
+    return Prepared(rid, add.prompt_ids, add, prepared.include_usage, prepared.return_token_ids, skip, have_chars)
 
 
 def create_app(ctx: ServingContext) -> FastAPI:
@@ -416,7 +450,7 @@ async def _stream(
 
     outputs = gen.outputs()
     try:
-        if first is not None:
+        if first is not None and not p.have_tokens:
             yield chunk([{"index": 0, **first, "logprobs": None, "finish_reason": None}])
         async for out in outputs:
             if out.finish_reason == "error":
@@ -426,8 +460,8 @@ async def _stream(
                 choice = make_choice(out.text, out.finish_reason)
                 if p.return_token_ids:
                     choice["token_ids"] = out.token_ids
-                # The event id names how many tokens the client holds after it: a resume point.
-                yield chunk([choice], f"{p.request_id}:{gen.completion_tokens}")
+                # The event id says what the client holds after it (tokens, characters): a resume point.
+                yield chunk([choice], f"{p.request_id}:{gen.completion_tokens}:{gen.text_chars}")
         if p.include_usage:
             yield chunk([], usage=_usage(len(p.prompt_ids), gen.completion_tokens, gen.cached_tokens))
         yield _sse("[DONE]")

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -26,8 +27,10 @@ from steadfast.config import TakeoverConfig
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
+    Promote,
     RequestOutput,
     Resume,
+    SamplingParams,
     StepOutputs,
     WorkerDied,
     WorkerJoined,
@@ -77,6 +80,21 @@ class Flight:
     delivered: list[int] = field(default_factory=list)
     text_chars: int = 0
     moving: bool = False  # being taken over: no owner answers for it right now
+    skip_until: int = 0  # the client already holds tokens below this index: regenerated, not resent
+
+
+@dataclass
+class Retired:
+    """A request no longer streaming (finished, or its client left), kept for a reconnect."""
+
+    add: AddRequest
+    delivered: list[int]
+    owner: int
+    until: float  # monotonic deadline of the idempotency window
+
+
+class UnknownRequestError(KeyError):
+    """A Last-Event-ID names a request this router does not know (never, or no longer)."""
 
 
 @dataclass
@@ -102,8 +120,11 @@ class EngineClient:
         output_address: str,
         status_interval_s: float,
         takeover: TakeoverConfig | None = None,
+        idempotency_window_s: float = 60.0,
+        ledger_path: str = "",
     ) -> None:
-        """`workers`: (input address, role) of each worker, ids in order."""
+        """`workers`: (input address, role) of each worker, ids in order. `ledger_path`: where a
+        restarted router finds requests it never saw (to resume them for reconnecting clients)."""
         self.ctx = zmq.asyncio.Context()
         self.output_address = output_address
         self.status_interval_s = status_interval_s
@@ -118,6 +139,9 @@ class EngineClient:
         self._moves = asyncio.Semaphore(self.takeover_cfg.max_concurrent)
         self.takeovers: list[Takeover] = []
         self._pending_takeover: dict[str, Takeover] = {}
+        self.window_s = idempotency_window_s
+        self._retired: dict[str, Retired] = {}
+        self.ledger_path = ledger_path
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -161,15 +185,24 @@ class EngineClient:
     def _promote(self, w: WorkerHandle) -> None:
         log.warning("promoting standby worker %d to take traffic", w.worker_id)
         w.role = "mixed"
+        asyncio.ensure_future(w.sock.send(protocol.encode(Promote())))  # so a restarted router knows too
 
-    async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request, in order, ending with the one that carries a finish_reason."""
+    async def generate(self, request: AddRequest, skip_until: int = 0) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, in order, ending with the one that carries a finish_reason.
+
+        A request with `resume` continues from its tokens; outputs below `skip_until` (tokens its
+        client already holds) are swallowed.
+        """
         worker = self._pick()
         if worker is None:
             raise EngineDeadError("no worker is ready")
         rid = request.request_id
-        flight = Flight(request, asyncio.Queue(), worker.worker_id)
+        flight = Flight(request, asyncio.Queue(), worker.worker_id, skip_until=skip_until)
+        if request.resume is not None:
+            flight.delivered = list(request.resume.output_ids)
+            flight.text_chars = request.resume.text_chars
         self._flights[rid] = flight
+        self._retired.pop(rid, None)
         worker.in_flight.add(rid)
         finished = False
         try:
@@ -181,12 +214,65 @@ class EngineClient:
                 if finished:
                     return
         finally:
-            self._flights.pop(rid, None)
-            owner = self._workers.get(flight.owner)
+            # Unless a reconnect already took the request over (and stopped this run of it).
+            if self._flights.get(rid) is flight:
+                del self._flights[rid]
+                self._retire(flight)
+                owner = self._workers.get(flight.owner)
+                if owner is not None:
+                    owner.in_flight.discard(rid)
+                    if not finished and not owner.dead:
+                        await self.abort(owner, rid)
+
+    def _retire(self, flight: Flight) -> None:
+        now = time.monotonic()
+        for rid in [r for r, x in self._retired.items() if x.until < now]:
+            del self._retired[rid]
+        add = flight.add
+        self._retired[add.request_id] = Retired(add, flight.delivered, flight.owner, now + self.window_s)
+
+    async def resumption(self, request_id: str, have_tokens: int, have_chars: int) -> tuple[AddRequest, int]:
+        """The request to send so a client holding `have_tokens` tokens (`have_chars` characters of
+        text) continues where it is, and the index below which outputs are not resent.
+
+        The router's own record when it has one (a dropped connection); else the ledger's last
+        checkpoint (the router restarted). What the record lacks is regenerated (fixed seed per
+        token index), never resent. Raises UnknownRequestError when neither knows the request.
+        """
+        live = self._flights.pop(request_id, None)
+        if live is not None:  # the old stream's handler has not noticed its client left yet
+            self._retire(live)
+            owner = self._workers.get(live.owner)
             if owner is not None:
-                owner.in_flight.discard(rid)
-                if not finished and not owner.dead:
-                    await self.abort(owner, rid)
+                owner.in_flight.discard(request_id)
+                await self.abort(owner, request_id)
+        known = self._retired.get(request_id)
+        if known is not None and known.until >= time.monotonic():
+            add, tokens = known.add, known.delivered
+        else:
+            add, tokens, owner_id = self._from_ledger(request_id)
+            owner = self._workers.get(owner_id)
+            if owner is not None:  # it may still run where it was, for nobody: stop it there
+                await self.abort(owner, request_id)
+        base = tokens[:have_tokens]
+        resume = Resume(list(base), have_chars)
+        return AddRequest(request_id, add.prompt_ids, add.params, add.priority, resume=resume), have_tokens
+
+    def _from_ledger(self, request_id: str) -> tuple[AddRequest, list[int], int]:
+        if not self.ledger_path:
+            raise UnknownRequestError(request_id)
+        from steadfast.kv.sqlite_ledger import SqliteLedger  # only a restarted router reads the ledger
+
+        ledger = SqliteLedger(self.ledger_path)
+        try:
+            ck = ledger.request(request_id)
+        finally:
+            ledger.close()
+        if ck is None:
+            raise UnknownRequestError(request_id)
+        params = msgspec.json.decode(ck.params, type=SamplingParams)
+        owner = int(ck.owner.removeprefix("worker")) if ck.owner and ck.owner.startswith("worker") else -1
+        return AddRequest(request_id, ck.prompt_ids, params), list(ck.generated_ids), owner
 
     async def abort(self, worker: WorkerHandle, request_id: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -202,6 +288,8 @@ class EngineClient:
                 w = self._workers.get(msg.worker_id)
                 if w is None:
                     continue
+                if w.status is None and w.role != msg.role:
+                    w.role = msg.role  # a restarted router learns who was promoted from the workers
                 w.status, w.last_seen = msg, time.monotonic()
             elif isinstance(msg, WorkerDied):
                 w = self._workers.get(msg.worker_id)
@@ -231,9 +319,11 @@ class EngineClient:
                 )
                 continue
             flight.delivered.extend(out.token_ids)
-            flight.text_chars += len(out.text)
             if out.request_id in self._pending_takeover:
                 self._record_takeover(out)
+            if out.token_ids and out.index < flight.skip_until and not out.finish_reason:
+                continue  # regenerated: the client has these tokens already
+            flight.text_chars += len(out.text)
             flight.queue.put_nowait(out)
             if out.finish_reason is not None and w is not None:
                 w.in_flight.discard(out.request_id)

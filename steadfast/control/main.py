@@ -22,11 +22,18 @@ from steadfast.worker.engine import max_model_len
 log = logging.getLogger("steadfast.router")
 
 
-async def serve(cfg_json: str, workers: list[tuple[str, str]], output: str) -> None:
+async def serve(cfg_json: str, workers: list[tuple[str, str]], output: str, ledger: str = "") -> None:
     cfg = config_from_dict(json.loads(cfg_json))
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
-    client = EngineClient(workers, output, cfg.server.status_interval_s, cfg.fault_recovery.takeover)
+    client = EngineClient(
+        workers,
+        output,
+        cfg.server.status_interval_s,
+        cfg.fault_recovery.takeover,
+        cfg.fault_recovery.request.idempotency_window,
+        ledger,
+    )
     await client.start()
     ctx = ServingContext(
         client=client,
@@ -53,6 +60,7 @@ def main() -> None:
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--worker", action="append", required=True, help="a worker's input address (repeat)")
     parser.add_argument("--standby", action="append", default=[], help="a standby's input address (repeat)")
+    parser.add_argument("--ledger", default="", help="the node's ledger, to resume requests after a restart")
     parser.add_argument("--output", required=True, help="address to bind for worker outputs")
     args = parser.parse_args()
     die_with_parent()
@@ -62,7 +70,7 @@ def main() -> None:
         os.nice(nice)
     # Worker ids follow the order given: the workers first, then the standbys.
     workers = [(a, "mixed") for a in args.worker] + [(a, "standby") for a in args.standby]
-    asyncio.run(serve(args.config_json, workers, args.output))
+    asyncio.run(serve(args.config_json, workers, args.output, args.ledger))
 
 
 if __name__ == "__main__":

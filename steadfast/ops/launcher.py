@@ -60,6 +60,7 @@ class Launcher:
     pool_args: list[str] = field(default_factory=list)
     pool_restarts: int = 0
     worker_deaths: int = 0
+    router_restarts: int = 0
     ledger_path: str = ""
     next_worker_id: int = 0
     _ledger: SqliteLedger | None = None
@@ -84,12 +85,7 @@ class Launcher:
         self._shared_memory = memory is not None
         addresses = [self._spawn_worker(i, "mixed") for i in range(cfg.server.workers)]
         standbys = [self._spawn_worker(cfg.server.workers + i, "standby") for i in range(cfg.server.standby_workers)]
-        router_args = ["steadfast.control.main", "--config-json", cfg_json, "--output", output]
-        for address in addresses:
-            router_args += ["--worker", address]
-        for address in standbys:
-            router_args += ["--standby", address]
-        self._spawn("router", router_args)
+        self._spawn("router", self._router_args([*addresses, *standbys], len(addresses)))
         self._notices = zmq.Context.instance().socket(zmq.PUSH)  # supervisor → router: deaths, joins
         self._notices.setsockopt(zmq.LINGER, 0)
         self._notices.connect(output)
@@ -101,6 +97,28 @@ class Launcher:
             " shared by the workers" if memory else " per worker",
         )
         self._wait_healthy()
+
+    def _router_args(self, addresses: list[str], active: int) -> list[str]:
+        """The router's command line: the first `active` addresses take traffic, the rest are standbys.
+        A restarted router learns each worker's current role from its first status report."""
+        args = ["steadfast.control.main", "--config-json", self._cfg_json, "--output", self._output]
+        if self.ledger_path:
+            args += ["--ledger", self.ledger_path]
+        for i, address in enumerate(addresses):
+            args += ["--worker" if i < active else "--standby", address]
+        return args
+
+    def _router_died(self, c: Child) -> Child:
+        """Restart the router on the workers that live now; clients reconnect with Last-Event-ID."""
+        log.error("router (pid %d) exited with code %s; restarting it", c.proc.pid, c.proc.returncode)
+        workers = sorted(
+            (int(x.name.removeprefix("worker")), f"ipc://{self.run_dir}/{x.name}")
+            for x in self.children
+            if x.name.startswith("worker") and x.proc.poll() is None
+        )
+        self.router_restarts += 1
+        self._spawn("router", self._router_args([address for _, address in workers], len(workers)))
+        return self.children[-1]
 
     def _spawn_worker(self, worker_id: int, role: str) -> str:
         """Start worker `worker_id` (its lease is named after it); return its input address."""
@@ -241,6 +259,11 @@ class Launcher:
                     if c.name.startswith("worker") and not stop["signal"]:
                         self.children.remove(c)
                         fresh = self._worker_died(c)
+                        pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
+                        continue
+                    if c.name == "router" and not stop["signal"]:
+                        self.children.remove(c)
+                        fresh = self._router_died(c)
                         pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
                         continue
                     if c.name == "kvpool":

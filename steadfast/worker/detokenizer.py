@@ -42,7 +42,8 @@ class Detokenizer:
 
     def take(self, final: bool) -> str:
         """Text not yet released; while not final, keep back what a stop string could still claim."""
-        end = len(self.text) if final or not self.stop else max(self.sent, len(self.text) - self.hold)
+        end = len(self.text) if final or not self.stop else len(self.text) - self.hold
+        end = max(self.sent, end)  # never behind what was released (a resumed client may hold more)
         delta = self.text[self.sent : end]
         self.sent = end
         return delta

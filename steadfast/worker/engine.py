@@ -147,7 +147,8 @@ class Engine:
         request.output_ids = list(done)
         for token in done:  # the text state as the client saw it: stop-string holdback included
             detok.add(token)
-        detok.sent = min(msg.resume.text_chars, len(detok.text))
+        # Not clamped: a client holding more text than `done` spells gets none of it again.
+        detok.sent = msg.resume.text_chars
         request.recovery = self._recover(request)
         request.resume_tokens = request.num_tokens
         log.info(

@@ -21,7 +21,7 @@ from steadfast.config import Config, config_from_dict, torch_threads
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena
 from steadfast.kv.pool_client import LeaseLostError, PoolClient, map_arena
-from steadfast.protocol import AbortRequest, AddRequest, RequestOutput, StepOutputs, WorkerStatus
+from steadfast.protocol import AbortRequest, AddRequest, Promote, RequestOutput, StepOutputs, WorkerStatus
 from steadfast.worker.engine import Engine, arena_spec, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 
@@ -84,6 +84,9 @@ class WorkerLoop:
                     elif isinstance(msg, AbortRequest):
                         for request_id in msg.request_ids:
                             engine.abort(request_id)
+                    elif isinstance(msg, Promote):
+                        self.role = msg.role
+                        self._report(force=True)
             if engine.has_work:
                 outputs = self._step(engine)
                 if outputs:

@@ -1,0 +1,125 @@
+"""The router killed mid-stream (and a client dropping its own connection): clients reconnect with
+`Last-Event-ID` and each stream ends token-identical to a fault-free run, no token twice, none missing.
+
+The restarted router has none of the old one's memory: it finds each request in the ledger, stops it
+where it still runs, and resumes it from the last checkpoint, regenerating (never resending) what the
+client already holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from steadfast.kv.pool import process_gone
+from tests.chaos.test_crash_recovery import MAX_TOKENS, reference, request_specs, wait_until
+from tests.chaos.test_serve_faults import children_named
+from tests.integration.server import ServerProcess
+
+pytestmark = pytest.mark.chaos
+
+CONFIG = """
+model: {dtype: float32, device: cpu}
+cache: {kv_memory_mb: 256}
+server: {standby_workers: 0}
+fault_recovery:
+  kv_cache: {snapshot_interval_steps: 8}
+"""
+
+
+class ResumingStream(threading.Thread):
+    """A client that reconnects with Last-Event-ID whenever its stream breaks (or it drops it)."""
+
+    def __init__(self, url: str, model: str, spec: dict, drop_at: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.url, self.model, self.spec, self.drop_at = url, model, spec, drop_at
+        self.tokens: list[int] = []
+        self.counts: list[int] = []  # tokens held after each event, from the event ids
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.reconnects = 0
+
+    def run(self) -> None:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": self.spec["prompt"]}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": self.spec["temperature"],
+            "seed": self.spec["seed"],
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        last = None
+        deadline = time.monotonic() + 240
+        while self.finish is None and time.monotonic() < deadline:
+            headers = {"Last-Event-ID": last} if last else {}
+            pending = None
+            try:
+                with httpx.stream(
+                    "POST", self.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+                ) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        if r.status_code < 500:
+                            self.error = f"{r.status_code}: {r.text}"
+                            return
+                        raise httpx.TransportError(f"status {r.status_code}")
+                    for line in r.iter_lines():
+                        if line.startswith("id: "):
+                            pending = line[4:]
+                        elif line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            if "error" in chunk:
+                                self.error = chunk["error"]["message"]
+                                return
+                            for choice in chunk["choices"]:
+                                self.tokens.extend(choice.get("token_ids", []))
+                                self.finish = choice.get("finish_reason") or self.finish
+                            if pending:
+                                last = pending
+                                self.counts.append(int(pending.split(":")[1]))
+                                pending = None
+                            if self.drop_at and len(self.tokens) >= self.drop_at:
+                                self.drop_at = 0
+                                break  # the client drops its own connection
+            except httpx.TransportError:
+                time.sleep(0.2)  # the router is gone or not back yet
+            if self.finish is None:
+                self.reconnects += 1
+
+
+def test_router_killed_mid_stream_clients_resume_with_last_event_id(tmp_path, fp32_model, make_engine, fp32_config):
+    specs = request_specs()
+    want = reference(fp32_model, make_engine, fp32_config, specs)
+    server = ServerProcess(tmp_path, CONFIG)
+    try:
+        server.wait_ready()
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        (router,) = children_named(server.proc.pid, "steadfast.control.main")
+        streams = [ResumingStream(server.url, model, s, drop_at=10 if i == 3 else 0) for i, s in enumerate(specs)]
+        for s in streams:
+            s.start()
+        wait_until(lambda: min(len(s.tokens) for s in streams) >= 16, 120, "every stream at 16 tokens")
+        os.kill(router, signal.SIGKILL)
+        wait_until(lambda: process_gone(router), 10, "the router to be gone")
+        for s in streams:
+            s.join(timeout=240)
+        (restarted,) = children_named(server.proc.pid, "steadfast.control.main")
+        assert restarted != router
+        for i, s in enumerate(streams):
+            assert s.error is None, (i, s.error)
+            assert s.finish == "length", (i, s.finish, len(s.tokens))
+            assert s.reconnects >= 1, i  # each stream really broke and came back
+            assert s.counts == sorted(set(s.counts)) and s.counts[-1] == MAX_TOKENS, (i, s.counts)
+            assert s.tokens == want[i], f"stream {i} differs from the fault-free run"
+        assert streams[3].reconnects >= 2  # its own drop, then the router's death
+    finally:
+        print(server.output()[-6000:])  # shown when the test fails
+        server.stop()
