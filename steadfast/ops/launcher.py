@@ -40,6 +40,9 @@ from steadfast.worker.engine import arena_spec
 log = logging.getLogger("steadfast.launcher")
 
 
+STANDBY_RESPAWN_DELAY_S = 2.0
+
+
 class StartupError(RuntimeError):
     pass
 
@@ -64,6 +67,7 @@ class Launcher:
     ledger_path: str = ""
     next_worker_id: int = 0
     _ledger: SqliteLedger | None = None
+    _respawn_at: list[float] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -164,8 +168,8 @@ class Launcher:
                 log.error("%s (pid %d) was fenced while alive; killing it", c.name, c.proc.pid)
                 c.proc.kill()
 
-    def _worker_died(self, c: Child) -> Child:
-        """Reaped worker: fence it (pid confirmed gone), tell the router, start a standby in its place."""
+    def _worker_died(self, c: Child) -> None:
+        """Reaped worker: fence it (pid confirmed gone), tell the router; a standby replaces it soon."""
         worker_id = int(c.name.removeprefix("worker"))
         code = c.proc.returncode
         log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
@@ -179,10 +183,20 @@ class Launcher:
                 log.warning("could not fence %s at once: %s", c.name, exc)
         self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1)))
         self.worker_deaths += 1
-        new_id = self.next_worker_id
-        address = self._spawn_worker(new_id, "standby")
-        self._notices.send(protocol.encode(WorkerJoined(new_id, address, "standby")))
-        return self.children[-1]
+        # Not at once: loading a model takes both cores for seconds, and the takeover needs them now.
+        self._respawn_at.append(time.monotonic() + STANDBY_RESPAWN_DELAY_S)
+
+    def _respawn_due(self) -> list[Child]:
+        """Start the standbys whose replacement time has come; return them."""
+        started = []
+        now = time.monotonic()
+        for due in [t for t in self._respawn_at if t <= now]:
+            self._respawn_at.remove(due)
+            new_id = self.next_worker_id
+            address = self._spawn_worker(new_id, "standby")
+            self._notices.send(protocol.encode(WorkerJoined(new_id, address, "standby")))
+            started.append(self.children[-1])
+        return started
 
     @property
     def pool_address(self) -> str:
@@ -252,14 +266,16 @@ class Launcher:
         try:
             while not stop["signal"]:
                 self._kill_fenced()
-                for fd in wait_sentinels(list(pidfds), timeout=0.5):
+                for fresh in self._respawn_due():
+                    pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
+                timeout = 0.5 if not self._respawn_at else max(0.0, min(0.5, min(self._respawn_at) - time.monotonic()))
+                for fd in wait_sentinels(list(pidfds), timeout=timeout):
                     c = pidfds.pop(fd)  # type: ignore[call-overload]
                     os.close(fd)  # type: ignore[arg-type]
                     c.proc.wait()
                     if c.name.startswith("worker") and not stop["signal"]:
                         self.children.remove(c)
-                        fresh = self._worker_died(c)
-                        pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
+                        self._worker_died(c)
                         continue
                     if c.name == "router" and not stop["signal"]:
                         self.children.remove(c)

@@ -144,6 +144,7 @@ class Engine:
         if len(done) >= msg.params.max_tokens or len(msg.prompt_ids) + len(done) >= self.max_model_len:
             self._reject(msg, f"request {msg.request_id} was already complete when its worker died")
             return False
+        t0 = time.perf_counter()
         request.output_ids = list(done)
         for token in done:  # the text state as the client saw it: stop-string holdback included
             detok.add(token)
@@ -152,12 +153,13 @@ class Engine:
         request.recovery = self._recover(request)
         request.resume_tokens = request.num_tokens
         log.info(
-            "took over %s from worker %d at token %d: %s, %d tokens of KV adopted",
+            "took over %s from worker %d at token %d: %s, %d tokens of KV adopted (%.0f ms)",
             request.request_id,
             msg.resume.from_worker,
             len(done),
             request.recovery[0],
             request.recovery[1],
+            1000 * (time.perf_counter() - t0),
         )
         return True
 

@@ -21,7 +21,15 @@ from steadfast.config import Config, config_from_dict, torch_threads
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena
 from steadfast.kv.pool_client import LeaseLostError, PoolClient, map_arena
-from steadfast.protocol import AbortRequest, AddRequest, Promote, RequestOutput, StepOutputs, WorkerStatus
+from steadfast.protocol import (
+    AbortRequest,
+    AddRequest,
+    Promote,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    WorkerStatus,
+)
 from steadfast.worker.engine import Engine, arena_spec, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 
@@ -108,6 +116,15 @@ class WorkerLoop:
             return failed
 
 
+def warm_up(engine: Engine) -> None:
+    """One short request through the whole engine before reporting ready: the first forward passes
+    pay for thread pools, kernel selection and caches, and a standby promoted under a dead worker's
+    load must not pay that then."""
+    ids = engine.tokenizer.encode("Steadfast warms up its kernels before it takes traffic. " * 8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate([AddRequest("warm-up", ids, params)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Steadfast worker process")
     parser.add_argument("--config-json", required=True)
@@ -150,6 +167,7 @@ def main() -> None:
         engine = Engine(cfg, loaded, KVArena.create_device(spec, cfg.model.resolved_device))
     else:
         engine = Engine(cfg, loaded, KVArena.attach(args.arena))
+    warm_up(engine)
     log.info(
         "ready in %.1fs on %s: %d KV blocks of %d tokens",
         time.perf_counter() - t0,
