@@ -2,9 +2,10 @@
 receives, per context length, `ledger_first` vs `rebuild` in one run, plus tokens recomputed per
 recovery (from the router's takeover records).
 
-For each mode a `steadfast serve` runs with hot standbys. Each kill: a greedy stream with a prompt of
-the given length decodes; once it has a random number of tokens, the active worker is SIGKILLed; the
-client's clock gives kill → next token. The server then promotes a standby and starts a new one.
+For each mode a `steadfast serve` runs with hot standbys. Each kill, from steady state (every worker
+ready, none loading): a greedy stream with a prompt of the given length decodes; once it has a random
+number of tokens, the active worker is SIGKILLed; the client's clock gives kill → next token. The server
+promotes a standby and starts a new one (whose load is then waited out before the next kill).
 
     python benchmarks/bench_recovery.py --contexts 128 512 2048 --kills 20
 """
@@ -111,10 +112,13 @@ def run_mode(args: argparse.Namespace, mode: str, tokenizer: GGUFTokenizer, rng:
             prompt = prompt_of(tokenizer, ctx)
             latencies, recomputed, adopted, routes = [], [], [], []
             for _ in range(args.kills):
+                # Steady state: a ready standby and no replacement still loading (a load takes both
+                # cores for seconds; a kill during the last kill's recovery measures something else).
                 ws = wait_until(
                     lambda: (
                         (w := workers(server))
-                        and any(x["role"] == "standby" and x["state"] == "ready" for x in w)
+                        and any(x["role"] == "standby" for x in w)
+                        and all(x["state"] == "ready" for x in w)
                         and w
                     ),
                     180,
@@ -158,7 +162,7 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--kills", type=int, default=20, help="kills per context length and mode")
     p.add_argument("--max-tokens", type=int, default=40)
-    p.add_argument("--standbys", type=int, default=2)
+    p.add_argument("--standbys", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--modes", nargs="+", default=["ledger_first", "rebuild"])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "recovery.json"))

@@ -227,12 +227,17 @@ class TakeoverConfig:
     max_concurrent: int = 32
     # Seconds a dead worker's request may wait for a worker to take it before it fails with an error.
     wait_timeout: float = field(default=120.0, metadata={"duration": True})
+    # A promoted standby takes new requests gradually: its in-flight limit ramps from 1 to the
+    # scheduler's max_num_seqs over this long (the requests it took over count against it).
+    warmup: float = field(default=5.0, metadata={"duration": True})
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
             raise ConfigError("fault_recovery.takeover.max_concurrent must be >= 1")
         if self.wait_timeout <= 0:
             raise ConfigError("fault_recovery.takeover.wait_timeout must be positive")
+        if self.warmup < 0:
+            raise ConfigError("fault_recovery.takeover.warmup must be >= 0")
 
 
 @dataclass(frozen=True)

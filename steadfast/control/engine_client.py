@@ -54,6 +54,7 @@ class WorkerHandle:
     last_seen: float = 0.0
     dead: bool = False
     unresponsive: bool = False  # silent past the limit: no new requests until it reports again
+    promoted_at: float | None = None  # when a standby started taking traffic (its warm-up ramp)
     in_flight: set[str] = field(default_factory=set)
 
     @property
@@ -122,6 +123,7 @@ class EngineClient:
         takeover: TakeoverConfig | None = None,
         idempotency_window_s: float = 60.0,
         ledger_path: str = "",
+        max_in_flight: int = 128,
     ) -> None:
         """`workers`: (input address, role) of each worker, ids in order. `ledger_path`: where a
         restarted router finds requests it never saw (to resume them for reconnecting clients)."""
@@ -140,6 +142,7 @@ class EngineClient:
         self.takeovers: list[Takeover] = []
         self._pending_takeover: dict[str, Takeover] = {}
         self.window_s = idempotency_window_s
+        self.max_in_flight = max_in_flight
         self._retired: dict[str, Retired] = {}
         self.ledger_path = ledger_path
 
@@ -182,10 +185,36 @@ class EngineClient:
             self._promote(standby)
         return standby
 
+    def has_room(self, w: WorkerHandle, now: float | None = None) -> bool:
+        """Whether `w` may take one more new request: a promoted standby ramps its limit up linearly
+        from 1 over the warm-up period instead of taking a full share of load at once."""
+        warmup = self.takeover_cfg.warmup
+        if w.promoted_at is None or warmup <= 0:
+            return True
+        elapsed = (time.monotonic() if now is None else now) - w.promoted_at
+        if elapsed >= warmup:
+            return True
+        return w.load < max(1, int(self.max_in_flight * elapsed / warmup))
+
+    async def _pick_with_room(self) -> WorkerHandle | None:
+        """A worker for a new request, waiting (at most the warm-up) while all are ramping and full."""
+        deadline = time.monotonic() + self.takeover_cfg.warmup
+        worker = self._pick()
+        while worker is not None and not self.has_room(worker) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            worker = self._pick()
+        return worker
+
     def _promote(self, w: WorkerHandle) -> None:
         log.warning("promoting standby worker %d to take traffic", w.worker_id)
         w.role = "mixed"
-        asyncio.ensure_future(w.sock.send(protocol.encode(Promote())))  # so a restarted router knows too
+        w.promoted_at = time.monotonic()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (unit tests): nobody to tell
+            return
+        # The worker reports its new role from now on, so a restarted router learns it too.
+        asyncio.ensure_future(w.sock.send(protocol.encode(Promote())))
 
     async def generate(self, request: AddRequest, skip_until: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, in order, ending with the one that carries a finish_reason.
@@ -193,7 +222,7 @@ class EngineClient:
         A request with `resume` continues from its tokens; outputs below `skip_until` (tokens its
         client already holds) are swallowed.
         """
-        worker = self._pick()
+        worker = await self._pick_with_room()
         if worker is None:
             raise EngineDeadError("no worker is ready")
         rid = request.request_id
@@ -281,25 +310,30 @@ class EngineClient:
     # --- outputs -------------------------------------------------------------------------------
     async def _receive(self) -> None:
         while True:
-            msg = protocol.decode_from_worker(await self._pull.recv())
-            if isinstance(msg, StepOutputs):
-                self._deliver(msg)
-            elif isinstance(msg, WorkerStatus):
-                w = self._workers.get(msg.worker_id)
-                if w is None:
-                    continue
-                if w.status is None and w.role != msg.role:
-                    w.role = msg.role  # a restarted router learns who was promoted from the workers
-                w.status, w.last_seen = msg, time.monotonic()
-            elif isinstance(msg, WorkerDied):
-                w = self._workers.get(msg.worker_id)
-                if w is not None and not w.dead:
-                    log.error("worker %d (pid %d) died with code %d", msg.worker_id, msg.pid, msg.exit_code)
-                    self._lost(w)
-            elif isinstance(msg, WorkerJoined):
-                if msg.worker_id not in self._workers:
-                    log.info("worker %d joined as %s at %s", msg.worker_id, msg.role, msg.address)
-                    self._add_worker(msg.worker_id, msg.address, msg.role)
+            data = await self._pull.recv()
+            try:
+                self._handle(protocol.decode_from_worker(data))
+            except Exception:  # one bad message must not stop the router hearing its workers
+                log.exception("failed to handle a message from a worker or the supervisor")
+
+    def _handle(self, msg: StepOutputs | WorkerStatus | WorkerDied | WorkerJoined) -> None:
+        if isinstance(msg, StepOutputs):
+            self._deliver(msg)
+        elif isinstance(msg, WorkerStatus):
+            w = self._workers.get(msg.worker_id)
+            if w is None:
+                return  # a worker already declared dead, or not announced yet
+            if w.status is None and w.role != msg.role:
+                w.role = msg.role  # a restarted router learns who was promoted from the workers
+            w.status, w.last_seen = msg, time.monotonic()
+        elif isinstance(msg, WorkerDied):
+            w = self._workers.get(msg.worker_id)
+            if w is not None and not w.dead:
+                log.error("worker %d (pid %d) died with code %d", msg.worker_id, msg.pid, msg.exit_code)
+                self._lost(w)
+        elif msg.worker_id not in self._workers:  # WorkerJoined
+            log.info("worker %d joined as %s at %s", msg.worker_id, msg.role, msg.address)
+            self._add_worker(msg.worker_id, msg.address, msg.role)
 
     def _deliver(self, msg: StepOutputs) -> None:
         w = self._workers.get(msg.worker_id)
@@ -378,6 +412,9 @@ class EngineClient:
         w.in_flight.clear()
         for flight in moving:
             flight.moving = True
+            unanswered = self._pending_takeover.pop(flight.add.request_id, None)
+            if unanswered is not None:  # moved to this worker, which died before answering: free the slot
+                unanswered.answered.set()
             self._tasks.append(asyncio.create_task(self._move(flight, w.worker_id)))
         if was_active and not any(x.active and not x.dead for x in self._workers.values()):
             standby = min((x for x in self._workers.values() if x.ready), key=lambda x: x.worker_id, default=None)
@@ -420,4 +457,5 @@ class EngineClient:
             # Storm control: this slot stays taken until the new owner answers (or the request ends).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(record.answered.wait(), self.takeover_cfg.wait_timeout)
-            self._pending_takeover.pop(rid, None)
+            if self._pending_takeover.get(rid) is record:
+                del self._pending_takeover[rid]

@@ -33,6 +33,7 @@ async def serve(cfg_json: str, workers: list[tuple[str, str]], output: str, ledg
         cfg.fault_recovery.takeover,
         cfg.fault_recovery.request.idempotency_window,
         ledger,
+        cfg.scheduler.max_num_seqs,
     )
     await client.start()
     ctx = ServingContext(

@@ -26,13 +26,13 @@ from tests.integration.server import ServerProcess
 pytestmark = pytest.mark.chaos
 
 STREAMS = 16
-MAX_TOKENS = 48
+MAX_TOKENS = 96
 KILLS = 3
 
 CONFIG = """
 model: {dtype: float32, device: cpu}
 cache: {kv_memory_mb: 256}
-server: {standby_workers: 1}
+server: {standby_workers: 2}  # a reload takes longer than the streams: keep one ready per kill
 fault_recovery:
   kv_cache: {snapshot_interval_steps: 4, recovery_mode: ledger_first}
 """
@@ -61,6 +61,20 @@ def reference(fp32_model, make_engine, cfg, specs) -> list[list[int]]:
     return [[t for o in out[f"r{i}"] for t in o.token_ids] for i in range(len(specs))]
 
 
+def chat_body(model: str, spec: dict) -> dict:
+    """A streamed chat request that returns each chunk's token ids."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": spec["prompt"]}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": spec["temperature"],
+        "seed": spec["seed"],
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+
+
 class Stream(threading.Thread):
     def __init__(self, url: str, model: str, spec: dict) -> None:
         super().__init__(daemon=True)
@@ -71,16 +85,7 @@ class Stream(threading.Thread):
         self.error: str | None = None
 
     def run(self) -> None:
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": self.spec["prompt"]}],
-            "max_tokens": MAX_TOKENS,
-            "temperature": self.spec["temperature"],
-            "seed": self.spec["seed"],
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
+        body = chat_body(self.model, self.spec)
         try:
             with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=300) as r:
                 for line in r.iter_lines():
@@ -143,6 +148,7 @@ def test_killed_workers_streams_resume_token_exactly(tmp_path, fp32_model, make_
                 "a ready standby",
             )
             (victim,) = [w for w in workers if w["role"] == "mixed"]
+            assert all(s.finish is None for s in streams), "the streams ended before this kill"
             os.kill(victim["pid"], signal.SIGKILL)
             wait_until(lambda v=victim: process_gone(v["pid"]), 10, "the killed worker to be gone")
             killed.append((victim["id"], victim["pid"]))
@@ -159,7 +165,7 @@ def test_killed_workers_streams_resume_token_exactly(tmp_path, fp32_model, make_
             assert s.error is None, (i, s.error)
             assert s.finish == "length", (i, s.finish)
             # Event ids count the tokens the client holds: strictly increasing, ending at the total.
-            counts = [int(e.rsplit(":", 1)[1]) for e in s.event_ids]
+            counts = [int(e.rsplit(":", 2)[1]) for e in s.event_ids]
             assert counts == sorted(set(counts)) and counts[-1] == MAX_TOKENS, (i, counts)
             assert s.tokens == want[i], f"stream {i} differs from the fault-free run"
         assert len(killed) == KILLS and len({pid for _, pid in killed}) == KILLS

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from steadfast.kv.pool import process_gone
-from tests.chaos.test_crash_recovery import MAX_TOKENS, reference, request_specs, wait_until
+from tests.chaos.test_crash_recovery import MAX_TOKENS, chat_body, reference, request_specs, wait_until
 from tests.chaos.test_serve_faults import children_named
 from tests.integration.server import ServerProcess
 
@@ -46,16 +46,7 @@ class ResumingStream(threading.Thread):
         self.reconnects = 0
 
     def run(self) -> None:
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": self.spec["prompt"]}],
-            "max_tokens": MAX_TOKENS,
-            "temperature": self.spec["temperature"],
-            "seed": self.spec["seed"],
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
+        body = chat_body(self.model, self.spec)
         last = None
         deadline = time.monotonic() + 240
         while self.finish is None and time.monotonic() < deadline:
