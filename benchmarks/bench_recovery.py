@@ -110,7 +110,7 @@ def run_mode(args: argparse.Namespace, mode: str, tokenizer: GGUFTokenizer, rng:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         for ctx in args.contexts:
             prompt = prompt_of(tokenizer, ctx)
-            latencies, recomputed, adopted, routes = [], [], [], []
+            latencies, overheads, recomputed, adopted, routes = [], [], [], [], []
             for _ in range(args.kills):
                 # Steady state: a ready standby and no replacement still loading (a load takes both
                 # cores for seconds; a kill during the last kill's recovery measures something else).
@@ -135,6 +135,9 @@ def run_mode(args: argparse.Namespace, mode: str, tokenizer: GGUFTokenizer, rng:
                 if stream.error or len(stream.arrivals) != args.max_tokens:
                     raise RuntimeError(f"stream failed after the kill: {stream.error}, {len(stream.arrivals)} tokens")
                 latencies.append(1000 * (stream.arrivals[have] - t_kill))
+                # What the kill added: the wait minus this stream's usual token interval before it.
+                gaps = sorted(b - a for a, b in zip(stream.arrivals[: have - 1], stream.arrivals[1:have], strict=True))
+                overheads.append(latencies[-1] - 1000 * gaps[len(gaps) // 2])
                 record = [
                     t for t in httpx.get(server.url + "/admin/takeovers").json() if t["from_worker"] == victim["id"]
                 ]
@@ -146,6 +149,8 @@ def run_mode(args: argparse.Namespace, mode: str, tokenizer: GGUFTokenizer, rng:
                 "kills": len(latencies),
                 "kill_to_next_token_ms_p50": pct(latencies, 50),
                 "kill_to_next_token_ms_p99": pct(latencies, 99),
+                "added_by_kill_ms_p50": pct(overheads, 50),
+                "added_by_kill_ms_p99": pct(overheads, 99),
                 "recomputed_tokens_mean": sum(recomputed) / max(1, len(recomputed)),
                 "adopted_tokens_mean": sum(adopted) / max(1, len(adopted)),
                 "routes": {r: routes.count(r) for r in sorted(set(routes))},
@@ -178,14 +183,18 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print("| context | mode | kills | kill → next token p50 | p99 | tokens recomputed (mean) | KV adopted (mean) |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| context | mode | kills | kill → next token p50 | p99 | added by the kill p50 | p99 | "
+        "tokens recomputed (mean) | KV adopted (mean) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for ctx in args.contexts:
         for mode, res in report["modes"].items():
             r = res[ctx]
             print(
                 f"| {ctx} | {mode} | {r['kills']} | {r['kill_to_next_token_ms_p50']:.0f} ms | "
-                f"{r['kill_to_next_token_ms_p99']:.0f} ms | {r['recomputed_tokens_mean']:.0f} | "
+                f"{r['kill_to_next_token_ms_p99']:.0f} ms | {r['added_by_kill_ms_p50']:.0f} ms | "
+                f"{r['added_by_kill_ms_p99']:.0f} ms | {r['recomputed_tokens_mean']:.0f} | "
                 f"{r['adopted_tokens_mean']:.0f} |"
             )
 
