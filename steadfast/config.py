@@ -230,6 +230,10 @@ class TakeoverConfig:
     # A promoted standby takes new requests gradually: its in-flight limit ramps from 1 to the
     # scheduler's max_num_seqs over this long (the requests it took over count against it).
     warmup: float = field(default=5.0, metadata={"duration": True})
+    # Share of each worker's KV blocks new requests leave free, so requests taken over from a dead
+    # worker find room; new requests wait (at most `reserve_wait`) rather than eat into it.
+    reserve_fraction: float = 0.1
+    reserve_wait: float = field(default=2.0, metadata={"duration": True})
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
@@ -238,6 +242,8 @@ class TakeoverConfig:
             raise ConfigError("fault_recovery.takeover.wait_timeout must be positive")
         if self.warmup < 0:
             raise ConfigError("fault_recovery.takeover.warmup must be >= 0")
+        if not 0 <= self.reserve_fraction < 1 or self.reserve_wait < 0:
+            raise ConfigError("fault_recovery.takeover.reserve_fraction must be in [0, 1), reserve_wait >= 0")
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,13 @@ class EngineClient:
         return standby
 
     def has_room(self, w: WorkerHandle, now: float | None = None) -> bool:
-        """Whether `w` may take one more new request: a promoted standby ramps its limit up linearly
-        from 1 over the warm-up period instead of taking a full share of load at once."""
+        """Whether `w` may take one more new request: it keeps its KV reserve for takeovers, and a
+        promoted standby ramps its limit up linearly from 1 over the warm-up period instead of taking
+        a full share of load at once."""
+        s = w.status
+        if s is not None and s.kv_blocks_total:
+            if s.kv_blocks_used >= (1 - self.takeover_cfg.reserve_fraction) * s.kv_blocks_total:
+                return False
         warmup = self.takeover_cfg.warmup
         if w.promoted_at is None or warmup <= 0:
             return True
@@ -197,8 +202,9 @@ class EngineClient:
         return w.load < max(1, int(self.max_in_flight * elapsed / warmup))
 
     async def _pick_with_room(self) -> WorkerHandle | None:
-        """A worker for a new request, waiting (at most the warm-up) while all are ramping and full."""
-        deadline = time.monotonic() + self.takeover_cfg.warmup
+        """A worker for a new request, waiting a bounded time while none has room (ramping or at its
+        reserve); then the least loaded takes it anyway: an accepted request is never turned away."""
+        deadline = time.monotonic() + max(self.takeover_cfg.warmup, self.takeover_cfg.reserve_wait)
         worker = self._pick()
         while worker is not None and not self.has_room(worker) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

@@ -10,7 +10,7 @@ import pytest
 
 from steadfast.config import TakeoverConfig
 from steadfast.control.engine_client import EngineClient, Flight
-from steadfast.protocol import AddRequest, RequestOutput, SamplingParams, StepOutputs
+from steadfast.protocol import AddRequest, RequestOutput, SamplingParams, StepOutputs, WorkerStatus
 
 pytestmark = pytest.mark.unit
 
@@ -64,6 +64,14 @@ def test_regenerated_tokens_the_client_holds_are_not_resent(client):
         client._deliver(StepOutputs(0, [out(i, token, "" if i < 4 else "y")]))
     assert forwarded(f) == [11, 12]
     assert f.delivered == [7, 8, 9, 10, 11, 12]
+
+
+def test_new_requests_leave_the_kv_reserve_to_takeovers(client):
+    w = client._workers[0]
+    w.status = WorkerStatus(0, 1, "mixed", "ready", kv_blocks_total=100, kv_blocks_used=89)
+    assert client.has_room(w)
+    w.status = WorkerStatus(0, 1, "mixed", "ready", kv_blocks_total=100, kv_blocks_used=90)
+    assert not client.has_room(w)  # the last 10 % waits for requests moved off a dead worker
 
 
 def test_a_promoted_standby_ramps_up_its_share_of_new_requests(client):
