@@ -62,8 +62,6 @@ class Launcher:
     shared_files: list[str] = field(default_factory=list)
     pool_args: list[str] = field(default_factory=list)
     pool_restarts: int = 0
-    worker_deaths: int = 0
-    router_restarts: int = 0
     ledger_path: str = ""
     next_worker_id: int = 0
     _ledger: SqliteLedger | None = None
@@ -120,7 +118,6 @@ class Launcher:
             for x in self.children
             if x.name.startswith("worker") and x.proc.poll() is None
         )
-        self.router_restarts += 1
         self._spawn("router", self._router_args([address for _, address in workers], len(workers)))
         return self.children[-1]
 
@@ -182,7 +179,6 @@ class Launcher:
             except Exception as exc:  # the pool fences on lease expiry anyway; adoption then waits for it
                 log.warning("could not fence %s at once: %s", c.name, exc)
         self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1)))
-        self.worker_deaths += 1
         # Not at once: loading a model takes both cores for seconds, and the takeover needs them now.
         self._respawn_at.append(time.monotonic() + STANDBY_RESPAWN_DELAY_S)
 
