@@ -115,7 +115,7 @@ def check_history(history: list[Op]) -> list[str]:
                         problems.append(f"#{op.seq}: block {b} adopted by {worker} but not sealed")
                     owner[b] = (worker, used)
             elif op.name in ("authorize_write", "seal"):
-                ids = [a[2]] if op.name == "authorize_write" else [b for b, _ in a[2]]
+                ids = [a[2]] if op.name == "authorize_write" else [seal[0] for seal in a[2]]
                 for b in ids:
                     if b in sealed:
                         problems.append(f"#{op.seq}: sealed block {b} changed by {op.name}")

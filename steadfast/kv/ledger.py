@@ -15,6 +15,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+# A seal: (block id, hash of its bytes) or (block id, hash of its bytes, chained name of its tokens).
+Seal = tuple[int, bytes] | tuple[int, bytes, bytes]
+
 
 class BlockState(enum.StrEnum):
     FREE = "FREE"
@@ -61,6 +64,7 @@ class BlockRecord:
     refs: int = 0
     hash: bytes | None = None
     tier: str | None = None
+    content: bytes | None = None  # a sealed block's chained token name (block_manager.block_hash)
 
 
 @dataclass
@@ -124,13 +128,12 @@ class Ledger(abc.ABC):
         """Raise unless the worker may change this block's bytes now."""
 
     @abc.abstractmethod
-    def seal_and_unseal(
-        self, worker: str, epoch: int, seals: Sequence[tuple[int, bytes]], unseals: Sequence[int]
-    ) -> None:
+    def seal_and_unseal(self, worker: str, epoch: int, seals: Sequence[Seal], unseals: Sequence[int]) -> None:
         """One transaction: `unseals` go SEALED → OWNED (their owner refills them), then `seals` go
-        OWNED → SEALED with their content hash. Unseals first, so no sealed byte is ever rewritten."""
+        OWNED → SEALED with the hash of their bytes and, when given, the chained name of the tokens
+        they hold. Unseals first, so no sealed byte is ever rewritten."""
 
-    def seal(self, worker: str, epoch: int, hashes: Sequence[tuple[int, bytes]]) -> None:
+    def seal(self, worker: str, epoch: int, hashes: Sequence[Seal]) -> None:
         self.seal_and_unseal(worker, epoch, hashes, ())
 
     def unseal(self, worker: str, epoch: int, block_ids: Sequence[int]) -> None:
@@ -149,6 +152,10 @@ class Ledger(abc.ABC):
 
     @abc.abstractmethod
     def blocks(self) -> list[BlockRecord]: ...
+
+    @abc.abstractmethod
+    def sealed_with_content(self, contents: Sequence[bytes]) -> list[BlockRecord]:
+        """SEALED blocks whose token name is one of `contents`, whoever owns them."""
 
     # --- requests -----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -25,6 +25,7 @@ from steadfast.kv.ledger import (
     Ledger,
     LedgerError,
     RequestCheckpoint,
+    Seal,
 )
 
 _SCHEMA = """
@@ -34,7 +35,7 @@ CREATE TABLE IF NOT EXISTS leases (
     state TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS blocks (
     id INTEGER PRIMARY KEY, state TEXT NOT NULL, owner TEXT, epoch INTEGER, request TEXT,
-    refs INTEGER NOT NULL DEFAULT 0, hash BLOB, tier TEXT);
+    refs INTEGER NOT NULL DEFAULT 0, hash BLOB, tier TEXT, content BLOB);
 CREATE INDEX IF NOT EXISTS blocks_by_owner ON blocks (owner, state);
 CREATE TABLE IF NOT EXISTS requests (
     id TEXT PRIMARY KEY, prompt BLOB NOT NULL, params TEXT NOT NULL, generated BLOB NOT NULL,
@@ -84,6 +85,9 @@ class SqliteLedger(Ledger):
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     c.execute(statement)
+            if "content" not in {row[1] for row in c.execute("PRAGMA table_info(blocks)")}:
+                c.execute("ALTER TABLE blocks ADD COLUMN content BLOB")  # a ledger file from before token names
+            c.execute("CREATE INDEX IF NOT EXISTS blocks_by_content ON blocks (content)")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Cursor]:
@@ -192,7 +196,7 @@ class SqliteLedger(Ledger):
             # Request checkpoints stay: their token ids still let a request be rebuilt, not adopted.
             c.execute(
                 "UPDATE blocks SET state = 'FREE', owner = NULL, epoch = NULL, request = NULL, refs = 0, "
-                "hash = NULL, tier = NULL"
+                "hash = NULL, tier = NULL, content = NULL"
             )
 
     def grant(self, worker: str, epoch: int, count: int) -> list[int]:
@@ -210,7 +214,7 @@ class SqliteLedger(Ledger):
             ]
             c.executemany(
                 "UPDATE blocks SET state = 'OWNED', owner = ?, epoch = ?, refs = 1, request = NULL, hash = NULL, "
-                "tier = NULL WHERE id = ?",
+                "tier = NULL, content = NULL WHERE id = ?",
                 ((worker, epoch, i) for i in ids),
             )
         return ids
@@ -247,19 +251,20 @@ class SqliteLedger(Ledger):
             self._check_lease(c, worker, epoch)
             self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value,))
 
-    def seal_and_unseal(
-        self, worker: str, epoch: int, seals: Sequence[tuple[int, bytes]], unseals: Sequence[int]
-    ) -> None:
+    def seal_and_unseal(self, worker: str, epoch: int, seals: Sequence[Seal], unseals: Sequence[int]) -> None:
         with self._tx() as c:
             self._check_lease(c, worker, epoch)
             for block_id in unseals:
                 self._owned(c, worker, epoch, block_id, (BlockState.SEALED.value,))
-                c.execute("UPDATE blocks SET state = 'OWNED', hash = NULL WHERE id = ?", (block_id,))
-            for block_id, digest in seals:
+                c.execute("UPDATE blocks SET state = 'OWNED', hash = NULL, content = NULL WHERE id = ?", (block_id,))
+            for block_id, digest, *name in seals:
                 if not digest:
                     raise LedgerError(f"block {block_id}: a seal needs a content hash")
                 self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value,))
-                c.execute("UPDATE blocks SET state = 'SEALED', hash = ? WHERE id = ?", (digest, block_id))
+                c.execute(
+                    "UPDATE blocks SET state = 'SEALED', hash = ?, content = ? WHERE id = ?",
+                    (digest, name[0] if name else None, block_id),
+                )
 
     def free(self, worker: str, epoch: int, block_ids: Sequence[int]) -> None:
         with self._tx() as c:
@@ -268,7 +273,7 @@ class SqliteLedger(Ledger):
                 self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value, BlockState.SEALED.value))
                 c.execute(
                     "UPDATE blocks SET state = 'FREE', owner = NULL, epoch = NULL, request = NULL, refs = 0, "
-                    "hash = NULL, tier = NULL WHERE id = ?",
+                    "hash = NULL, tier = NULL, content = NULL WHERE id = ?",
                     (block_id,),
                 )
 
@@ -289,9 +294,28 @@ class SqliteLedger(Ledger):
             c.executemany("UPDATE blocks SET owner = NULL, epoch = NULL, refs = 0 WHERE id = ?", ((i,) for i in sealed))
         return sealed, partial
 
+    _BLOCK_COLUMNS = "id, state, owner, epoch, request, refs, hash, tier, content"
+
+    @staticmethod
+    def _block_row(r: tuple) -> BlockRecord:
+        return BlockRecord(r[0], BlockState(r[1]), r[2], r[3], r[4], r[5], r[6], r[7], r[8])
+
     def blocks(self) -> list[BlockRecord]:
-        rows = self.db.execute("SELECT id, state, owner, epoch, request, refs, hash, tier FROM blocks ORDER BY id")
-        return [BlockRecord(r[0], BlockState(r[1]), r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows]
+        rows = self.db.execute(f"SELECT {self._BLOCK_COLUMNS} FROM blocks ORDER BY id")
+        return [self._block_row(r) for r in rows]
+
+    def sealed_with_content(self, contents: Sequence[bytes]) -> list[BlockRecord]:
+        out: list[BlockRecord] = []
+        names = list(dict.fromkeys(contents))
+        for i in range(0, len(names), 500):  # well under SQLite's bound-parameter limit
+            part = names[i : i + 500]
+            rows = self.db.execute(
+                f"SELECT {self._BLOCK_COLUMNS} FROM blocks WHERE content IN ({','.join('?' * len(part))}) "
+                "AND state = 'SEALED' ORDER BY id",
+                part,
+            )
+            out.extend(self._block_row(r) for r in rows)
+        return out
 
     # --- requests -----------------------------------------------------------------------------
     def checkpoint(self, worker: str, epoch: int, records: Sequence[RequestCheckpoint]) -> None:

@@ -178,7 +178,7 @@ class Engine:
         ids = request.all_ids
         names = self.blocks.chain(ids, (len(ids) - 1) // bs)
         # Blocks whose content this worker already caches need no adoption.
-        plan = self.sync.adoptable(request.request_id, ids, bs, lambda pos: self.blocks.is_cached(names[pos]))
+        plan = self.sync.adoptable(names, lambda pos: self.blocks.is_cached(names[pos]))
         if not plan:
             return "rebuild", 0
         try:

@@ -1,9 +1,10 @@
 """Keeping the ledger true to a worker's KV: seals, unseals, request checkpoints, under its lease.
 
-Per step, before the model writes any KV: check the lease is still surely ours, then in one ledger
-transaction unseal the cached blocks this step will refill and seal the blocks that filled in the last
-step (with a hash of their bytes). Every `snapshot_interval_steps` steps, checkpoint every request in
-one transaction. Any write refused for a stale epoch raises `LeaseLostError`: the worker must exit.
+Per step, before the model writes any KV: check the lease is still surely ours and, in one ledger
+transaction, unseal the cached blocks this step will refill. After the step: seal the blocks that
+filled (hash of their bytes, chained name of their tokens, so a successor finds them by the tokens
+alone). Every `snapshot_interval_steps` steps, checkpoint every request in one transaction. Any write
+refused for a stale epoch raises `LeaseLostError`: the worker must exit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import msgspec
 from steadfast.config import Config
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.kv.ledger import BlockState, FencedError, RequestCheckpoint
+from steadfast.kv.ledger import BlockRecord, FencedError, RequestCheckpoint
 from steadfast.kv.pool_client import LeaseKeeper, LeaseLostError, PoolClient
 from steadfast.kv.sqlite_ledger import SqliteLedger
 from steadfast.worker.request import Request, Status
@@ -37,7 +38,7 @@ class LedgerSync:
             ledger_path, self.worker, self.epoch, lease_cfg.renew_interval_ms / 1000, lease_cfg.lease_timeout_ms / 1000
         )
         self.lease.start()
-        self._sealed_pending: dict[int, None] = {}  # filled last step, to seal with their hash
+        self._sealed_pending: dict[int, bytes] = {}  # filled, to seal: block -> its token name
         self._ledger_sealed: set[int] = set()
         self._finished: list[Request] = []
         self.steps = 0
@@ -53,14 +54,20 @@ class LedgerSync:
             raise LeaseLostError(str(exc)) from exc
 
     def before_execute(self, blocks: BlockManager) -> None:
-        """Called after scheduling, before the forward pass writes KV."""
+        """Called after scheduling, before the forward pass writes KV: blocks evicted for reuse by this
+        step are unsealed before any of their bytes change."""
         self.lease.check()
+        self._sync_blocks(blocks)
+
+    def _sync_blocks(self, blocks: BlockManager) -> None:
+        """Write the block manager's events to the ledger: seal blocks that filled (with the hash of
+        their bytes and the chained name of their tokens), unseal cached ones about to be refilled."""
         unseals: dict[int, None] = {}
         while blocks.events:
             event = blocks.events.popleft()
             b = event.block_id
             if event.kind == "stored":
-                self._sealed_pending[b] = None
+                self._sealed_pending[b] = event.hash
             elif event.kind == "released":  # the pool freed it already: nothing left to seal or unseal
                 self._sealed_pending.pop(b, None)
                 unseals.pop(b, None)
@@ -71,46 +78,37 @@ class LedgerSync:
                 unseals[b] = None
         if self._sealed_pending or unseals:
             t0 = time.perf_counter()
-            seals = [(b, self.arena.digest(b)) for b in self._sealed_pending if b not in unseals]
+            seals = [(b, self.arena.digest(b), name) for b, name in self._sealed_pending.items() if b not in unseals]
             self._write(self.ledger.seal_and_unseal, seals, list(unseals))
             self._ledger_sealed.difference_update(unseals)
-            self._ledger_sealed.update(b for b, _ in seals)
+            self._ledger_sealed.update(b for b, _, _ in seals)
             self._sealed_pending.clear()
             self.seal_seconds += time.perf_counter() - t0
 
-    def adoptable(
-        self, request_id: str, token_ids: list[int], block_size: int, cached: Callable[[int], bool]
-    ) -> list[tuple[int, int, bytes]] | None:
-        """Blocks of a dead worker's request that may be adopted for `token_ids`: (position, block, hash).
+    def adoptable(self, names: list[bytes], cached: Callable[[int], bool]) -> list[tuple[int, int, bytes]] | None:
+        """Sealed blocks a dead worker left that may be adopted for a request: (position, block, hash).
 
-        From the request's last checkpoint, the leading blocks that are SEALED, nobody's, hold tokens
-        equal to `token_ids` there, and whose bytes still hash to what was sealed. `cached(position)`
-        says this worker already holds that block's content (adopted for another request): the run
-        goes on past it without adopting. The run stops at the first block that is neither (filled
-        after the last seal: recomputed). None when a sealed block's bytes disagree with its hash:
-        then nothing of this request is trusted.
+        `names` are the chained names of the request's leading full blocks, from the token ids its
+        client holds; a block sealed under the same name holds KV of exactly those tokens (the name
+        covers every token before it too). Taken: the leading run of SEALED blocks that are nobody's
+        and whose bytes still hash to what was sealed. `cached(position)` says this worker already
+        holds that block's content: the run goes on past it without adopting. The run stops at the
+        first block that is neither (filled after the last seal: recomputed). None when a sealed
+        block's bytes disagree with its hash: then nothing of this request is trusted.
         """
-        ck = self.ledger.request(request_id)
-        if ck is None:
-            return []
-        known = ck.prompt_ids + ck.generated_ids
-        # At least one token is always computed again: its logits give the next token.
-        limit = min(len(ck.block_table), (len(token_ids) - 1) // block_size)
-        rows = {b.block_id: b for b in self.ledger.blocks()}
+        found: dict[bytes, BlockRecord] = {}
+        for block in self.ledger.sealed_with_content(names):
+            if block.hash and block.owner in (None, self.worker):
+                found.setdefault(block.content or b"", block)
         plan = []
-        for pos in range(limit):
-            span = slice(pos * block_size, (pos + 1) * block_size)
-            if known[span] != token_ids[span]:
-                break
+        for pos, name in enumerate(names):
             if cached(pos):
                 continue
-            block = rows.get(ck.block_table[pos])
-            if block is None or block.state is not BlockState.SEALED or not block.hash:
-                break
-            if block.owner not in (None, self.worker):
+            block = found.get(name)
+            if block is None:
                 break
             if self.arena.digest(block.block_id) != block.hash:
-                log.error("request %s: block %d bytes disagree with its sealed hash", request_id, block.block_id)
+                log.error("block %d bytes disagree with their sealed hash", block.block_id)
                 return None
             plan.append((pos, block.block_id, block.hash))
         return plan
@@ -129,6 +127,8 @@ class LedgerSync:
         prompt's blocks, usually most of its KV, can be adopted however soon its worker dies."""
         # A worker fenced while it computed must not hand out what it computed.
         self.lease.check()
+        # Sealed now, not at the next step: a block can be adopted as soon as its last token is out.
+        self._sync_blocks(blocks)
         self.steps += 1
         if prompt_done or self.steps % self.interval == 0:
             self.checkpoint(requests, blocks)

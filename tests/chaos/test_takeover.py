@@ -97,9 +97,16 @@ def test_killed_worker_is_taken_over_token_exactly(tmp_path, fp32_model, make_en
             assert after and after[-1].finish_reason == "length", after[-1:]
             first = after[0]
             assert first.index == len(joined(before)[0])  # no token resent, none skipped
-            assert first.route == route, (rid, first.route)
-            if route == "ledger_first":
+            if corrupt and rid != "r0":
+                # r0's first block is the corrupt one. A request sharing that content may still adopt
+                # the rest of its blocks once the new owner has recomputed the first for r0 (cached).
+                assert first.route in ("rebuild", "ledger_first"), (rid, first.route)
+            else:
+                assert first.route == route, (rid, first.route)
+            if first.route == "ledger_first":
                 assert first.adopted_tokens >= 16 and first.recomputed_tokens < len(r.prompt_ids) + KILL_AFTER
+                if not corrupt:  # blocks are sealed in the step that fills them: only the partial one is redone
+                    assert 1 <= first.recomputed_tokens <= cfg.cache.block_size, first.recomputed_tokens
             else:
                 assert first.adopted_tokens == 0
             want_ids, want_text = joined(reference[rid])
