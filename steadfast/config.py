@@ -114,8 +114,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     # Longest prefill chunk one request may take in a step, so one long prompt cannot starve others.
     max_prefill_chunk: int = 512
+    # Decode attention pads each request's KV to the longest context of its group: requests sorted by
+    # context length are cut into at most this many groups, so short contexts stop paying for long ones.
+    decode_attention_groups: int = 4
 
     def __post_init__(self) -> None:
+        if self.decode_attention_groups < 1:
+            raise ConfigError("scheduler.decode_attention_groups must be >= 1")
         if self.max_num_seqs < 1:
             raise ConfigError("scheduler.max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -128,7 +133,11 @@ class SchedulerConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    workers: int = 1
+    workers: int = 1  # mixed workers: prefill and decode their own requests
+    # Disaggregation (both or neither): prefill workers compute prompts, then hand each request's KV
+    # to a decode worker of the node, chosen by load and KV headroom, which streams the rest.
+    prefill_workers: int = 0
+    decode_workers: int = 0
     # Seconds a worker may take to load the model and say ready.
     startup_timeout_s: float = 180.0
     # How often workers report their load to the router.
@@ -148,8 +157,12 @@ class ServerConfig:
             raise ConfigError("server.standby_workers must be >= 0")
         if not 0 <= self.router_nice <= 19:
             raise ConfigError("server.router_nice must be in 0..19")
-        if self.workers < 1:
-            raise ConfigError("server.workers must be >= 1")
+        if min(self.workers, self.prefill_workers, self.decode_workers) < 0:
+            raise ConfigError("server.workers, prefill_workers and decode_workers must be >= 0")
+        if (self.prefill_workers > 0) != (self.decode_workers > 0):
+            raise ConfigError("server.prefill_workers and server.decode_workers go together: set both or neither")
+        if self.workers + self.prefill_workers + self.decode_workers < 1:
+            raise ConfigError("server needs at least one worker (workers, or prefill_workers + decode_workers)")
         if self.startup_timeout_s <= 0 or self.status_interval_s <= 0:
             raise ConfigError("server timeouts must be positive")
 
@@ -261,6 +274,11 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     fault_recovery: FaultRecoveryConfig = field(default_factory=FaultRecoveryConfig)
+
+    def __post_init__(self) -> None:
+        if self.server.prefill_workers and not self.fault_recovery.kv_cache.external_ledger:
+            # The handoff is a change of owner in the ledger of one arena the workers share.
+            raise ConfigError("prefill/decode workers need fault_recovery.kv_cache.external_ledger: true")
 
     def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with some keys changed, nested as in YAML: `cfg.replace(model={"dtype": "float32"})`."""

@@ -37,12 +37,31 @@ class Resume(msgspec.Struct, array_like=True):
     from_worker: int = -1
 
 
+class Handoff(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request's KV handed from a prefill worker to a decode worker of the same node: the arena
+    blocks (now the decode worker's in the ledger, zero copy) holding the first `num_computed`
+    tokens, and which of them are sealed. `error` instead: why nothing was handed (the prefill
+    worker then decodes the request itself)."""
+
+    to_worker: int
+    block_ids: list[int] = []
+    sealed: list[int] = []
+    num_computed: int = 0
+    error: str = ""
+    copied: int = 0  # blocks copied because another request of the prefill worker shares them
+    seconds: float = 0.0  # the prefill worker's time to hand over (copies, one ledger transaction)
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 1
     resume: Resume | None = None
+    # To a prefill worker: once the prompt is computed and the first token sampled, hand the KV to
+    # this decode worker. To a decode worker: the KV handed to it (with `resume` = the first token).
+    decode_worker: int = -1
+    handoff: Handoff | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -68,6 +87,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     route: str = ""  # "ledger_first" | "rebuild"
     adopted_tokens: int = 0  # tokens whose KV was adopted from the dead worker's sealed blocks
     recomputed_tokens: int = 0  # tokens whose KV had to be computed again
+    handoff: Handoff | None = None  # from a prefill worker, with the first token: where the KV went
 
 
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):

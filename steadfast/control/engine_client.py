@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,6 +27,7 @@ from steadfast.config import TakeoverConfig
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
+    Handoff,
     Promote,
     RequestOutput,
     Resume,
@@ -38,6 +39,12 @@ from steadfast.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+
+# Roles that serve a request start to end, in order of preference (a decode worker computes the prompt
+# itself when no prefill worker can); a dead decode worker's requests go to another decode worker first.
+SERVE_ROLES = ("mixed", "decode", "prefill")
+DECODE_ROLES = ("decode", "mixed", "prefill")
 
 
 class EngineDeadError(RuntimeError):
@@ -145,6 +152,7 @@ class EngineClient:
         self.max_in_flight = max_in_flight
         self._retired: dict[str, Retired] = {}
         self.ledger_path = ledger_path
+        self.on_handoff: Callable[[Handoff], None] | None = None  # metrics hook
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -175,15 +183,29 @@ class EngineClient:
         active = [w for w in self._workers.values() if w.active and not w.dead]
         return bool(active) and all(w.ready for w in active)
 
-    def _pick(self, exclude: int = -1) -> WorkerHandle | None:
+    def _pick(self, exclude: int = -1, roles: tuple[str, ...] = SERVE_ROLES) -> WorkerHandle | None:
+        """The least loaded ready worker of the first of `roles` that has one; when none has, a
+        standby is promoted to `roles[0]`."""
         live = [w for w in self._workers.values() if w.ready and w.worker_id != exclude]
-        active = [w for w in live if w.active]
-        if active:
-            return min(active, key=lambda w: (w.load, w.worker_id))
-        standby = min((w for w in live if not w.active), key=lambda w: w.worker_id, default=None)
+        for role in roles:
+            candidates = [w for w in live if w.role == role]
+            if candidates:
+                return min(candidates, key=lambda w: (w.load, w.worker_id))
+        standby = min((w for w in live if w.role == "standby"), key=lambda w: w.worker_id, default=None)
         if standby is not None:
-            self._promote(standby)
+            self._promote(standby, roles[0])
         return standby
+
+    def _pick_decode(self) -> WorkerHandle | None:
+        """Where a prefilled request decodes: a decode worker with room, by load then KV in use."""
+        live = [w for w in self._workers.values() if w.ready and w.role == "decode"]
+
+        def key(w: WorkerHandle) -> tuple[bool, int, float]:
+            s = w.status
+            used = s.kv_blocks_used / s.kv_blocks_total if s is not None and s.kv_blocks_total else 0.0
+            return (not self.has_room(w), w.load, used)
+
+        return min(live, key=key, default=None)
 
     def has_room(self, w: WorkerHandle, now: float | None = None) -> bool:
         """Whether `w` may take one more new request: it keeps its KV reserve for takeovers, and a
@@ -211,16 +233,16 @@ class EngineClient:
             worker = self._pick()
         return worker
 
-    def _promote(self, w: WorkerHandle) -> None:
-        log.warning("promoting standby worker %d to take traffic", w.worker_id)
-        w.role = "mixed"
+    def _promote(self, w: WorkerHandle, role: str = "mixed") -> None:
+        log.warning("promoting standby worker %d to take traffic as %s", w.worker_id, role)
+        w.role = role
         w.promoted_at = time.monotonic()
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # no event loop (unit tests): nobody to tell
             return
         # The worker reports its new role from now on, so a restarted router learns it too.
-        asyncio.ensure_future(w.sock.send(protocol.encode(Promote())))
+        asyncio.ensure_future(w.sock.send(protocol.encode(Promote(role))))
 
     async def generate(self, request: AddRequest, skip_until: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, in order, ending with the one that carries a finish_reason.
@@ -228,7 +250,14 @@ class EngineClient:
         A request with `resume` continues from its tokens; outputs below `skip_until` (tokens its
         client already holds) are swallowed.
         """
-        worker = await self._pick_with_room()
+        worker = None
+        if request.resume is None:  # disaggregated: prefill here, then decode on a worker chosen now
+            prefill = self._pick(roles=("prefill",)) if self._has_role("prefill") else None
+            decode = self._pick_decode() if prefill is not None else None
+            if prefill is not None and decode is not None:
+                worker, request.decode_worker = prefill, decode.worker_id
+        if worker is None:
+            worker = await self._pick_with_room()
         if worker is None:
             raise EngineDeadError("no worker is ready")
         rid = request.request_id
@@ -258,6 +287,9 @@ class EngineClient:
                     owner.in_flight.discard(rid)
                     if not finished and not owner.dead:
                         await self.abort(owner, rid)
+
+    def _has_role(self, role: str) -> bool:
+        return any(w.role == role and w.ready for w in self._workers.values())
 
     def _retire(self, flight: Flight) -> None:
         now = time.monotonic()
@@ -365,8 +397,34 @@ class EngineClient:
                 continue  # regenerated: the client has these tokens already
             flight.text_chars += len(out.text)
             flight.queue.put_nowait(out)
+            if out.handoff is not None and out.finish_reason is None:
+                self._handed(flight, msg.worker_id, out.handoff)
             if out.finish_reason is not None and w is not None:
                 w.in_flight.discard(out.request_id)
+
+    def _handed(self, flight: Flight, from_worker: int, h: Handoff) -> None:
+        """A prefill worker handed a request's KV to a decode worker (or could not): send it there."""
+        rid = flight.add.request_id
+        if self.on_handoff is not None:
+            self.on_handoff(h)
+        if h.error:
+            log.warning("request %s: KV not handed to %d (%s); decoded on %d", rid, h.to_worker, h.error, from_worker)
+            return
+        source = self._workers.get(from_worker)
+        if source is not None:
+            source.in_flight.discard(rid)
+        flight.owner = h.to_worker
+        target = self._workers.get(h.to_worker)
+        if target is None or target.dead:  # died after the handoff: its blocks are reclaimed, adoptable
+            flight.moving = True
+            self._tasks.append(asyncio.create_task(self._move(flight, h.to_worker)))
+            return
+        target.in_flight.add(rid)
+        add = flight.add
+        resume = Resume(list(flight.delivered), flight.text_chars, from_worker)
+        handed = AddRequest(rid, add.prompt_ids, add.params, add.priority, resume=resume, handoff=h)
+        # Sent now (pyzmq tries at once), so an abort of this request cannot overtake it.
+        asyncio.ensure_future(target.sock.send(protocol.encode(handed)))
 
     def _record_takeover(self, out: RequestOutput) -> None:
         t = self._pending_takeover.pop(out.request_id)
@@ -409,8 +467,7 @@ class EngineClient:
     def _lost(self, w: WorkerHandle) -> None:
         """Stop listening to a worker and move each of its requests, high priority first."""
         w.dead = True
-        was_active = w.active
-        w.role = "dead"
+        role, w.role = w.role, "dead"
         moving = sorted(
             (f for f in self._flights.values() if f.owner == w.worker_id),
             key=lambda f: f.add.priority,
@@ -421,26 +478,33 @@ class EngineClient:
             unanswered = self._pending_takeover.pop(flight.add.request_id, None)
             if unanswered is not None:  # moved to this worker, which died before answering: free the slot
                 unanswered.answered.set()
-            self._tasks.append(asyncio.create_task(self._move(flight, w.worker_id)))
-        if was_active and not any(x.active and not x.dead for x in self._workers.values()):
-            standby = min((x for x in self._workers.values() if x.ready), key=lambda x: x.worker_id, default=None)
+            roles = SERVE_ROLES if role == "mixed" else DECODE_ROLES
+            self._tasks.append(asyncio.create_task(self._move(flight, w.worker_id, roles)))
+        # The last worker of its role: a standby steps into it (prefill, decode or mixed).
+        if role != "standby" and not any(x.role == role and not x.dead for x in self._workers.values()):
+            standby = min(
+                (x for x in self._workers.values() if x.ready and x.role == "standby"),
+                key=lambda x: x.worker_id,
+                default=None,
+            )
             if standby is not None:
-                self._promote(standby)
+                self._promote(standby, role)
         self._workers.pop(w.worker_id, None)
         with contextlib.suppress(zmq.ZMQError):
             w.sock.close(linger=0)
         self._tasks = [t for t in self._tasks if not t.done()]
 
-    async def _move(self, flight: Flight, dead: int) -> None:
+    async def _move(self, flight: Flight, dead: int, roles: tuple[str, ...] = DECODE_ROLES) -> None:
+        """Resume a request on another worker of `roles` (the first that has a ready one)."""
         rid = flight.add.request_id
         async with self._moves:
             deadline = time.monotonic() + self.takeover_cfg.wait_timeout
-            target = self._pick(exclude=dead)
+            target = self._pick(dead, roles)
             while target is None:
                 if time.monotonic() > deadline or rid not in self._flights:
                     break
                 await asyncio.sleep(0.05)
-                target = self._pick(exclude=dead)
+                target = self._pick(dead, roles)
             if rid not in self._flights:
                 return  # its client left meanwhile
             if target is None:

@@ -44,6 +44,7 @@ async def serve(cfg_json: str, workers: list[tuple[str, str]], output: str, ledg
         block_size=cfg.cache.block_size,
         metrics=Metrics(),
     )
+    client.on_handoff = ctx.metrics.handoff
     app = create_app(ctx)
     server = uvicorn.Server(
         uvicorn.Config(

@@ -7,6 +7,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from steadfast.protocol import Handoff
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -47,10 +49,35 @@ class Metrics:
         self.kv_used = Gauge("steadfast_kv_blocks_used", "KV blocks in use", ["worker"], registry=r)
         self.kv_free = Gauge("steadfast_kv_blocks_free", "KV blocks free", ["worker"], registry=r)
         self.worker_up = Gauge("steadfast_worker_up", "1 if the worker is ready", ["worker"], registry=r)
+        self.kv_transfers = Counter(
+            "steadfast_kv_transfers", "KV handoffs between workers", ["path", "outcome"], registry=r
+        )
+        self.kv_transfer_blocks = Counter(
+            "steadfast_kv_transfer_blocks",
+            "KV blocks given to another worker (handed or copied)",
+            ["path", "kind"],
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "steadfast_kv_transfer_seconds",
+            "Time to hand a request's KV over",
+            ["path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self._window: deque[tuple[float, int]] = deque()
         self.queue_depth.set_function(lambda: self._awaiting_first)
         self.tokens_per_second.set_function(self._rate)
         self._awaiting_first = 0
+
+    def handoff(self, h: Handoff) -> None:
+        """A same-node handoff reported by a prefill worker (zero copy, or refused: decoded in place)."""
+        path = "same_node"
+        self.kv_transfers.labels(path, "refused" if h.error else "done").inc()
+        if not h.error:
+            self.kv_transfer_blocks.labels(path, "handed").inc(len(h.block_ids) - h.copied)
+            self.kv_transfer_blocks.labels(path, "copied").inc(h.copied)
+            self.kv_transfer_seconds.labels(path).observe(h.seconds)
 
     def request_started(self) -> None:
         self._awaiting_first += 1

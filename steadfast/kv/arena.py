@@ -168,6 +168,10 @@ class KVArena:
         """A copy of one block's bytes: `[num_layers, 2, kv_heads, block_size, head_dim]`."""
         return self.tensor[:, :, :, block_id].clone()
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K and V, every layer, to another block."""
+        self.tensor[:, :, :, dst].copy_(self.tensor[:, :, :, src])
+
     def digest(self, block_id: int) -> bytes:
         """Content hash of one block's bytes (every layer's K and V), to seal it and verify it later."""
         data = self.tensor[:, :, :, block_id].contiguous().cpu()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -176,6 +176,96 @@ class BlockManager:
             self._held.add(block_id)
             self._free[block_id] = None  # the most recently used end: evicted last
             self._free_cached += 1
+
+    def hand_over(
+        self,
+        request_id: str,
+        copy: Callable[[int, int], None],
+        transfer: Callable[[list[int], list[tuple[int, bytes]]], None],
+    ) -> list[int] | None:
+        """Give a request's blocks to another worker of this node (prefill → decode), zero copy.
+
+        Blocks another request here shares are copied first (`copy(src, dst)`): they stay here.
+        `transfer(block_ids, copies)` makes the blocks the other worker's in the ledger (`copies`:
+        the fresh copies with their names, to seal first); if it raises, nothing here changed. Returns
+        the block table handed over, or None when no free block was left for a copy.
+        """
+        table = self._tables[request_id]
+        shared = [i for i, b in enumerate(table) if self.blocks[b].ref_count > 1]
+        if shared and not self._ensure_free(len(shared)):
+            return None
+        handed = list(table)
+        copies = []
+        for i in shared:
+            dst, _ = self._free.popitem(last=False)
+            block = self.blocks[dst]
+            if block.hash is not None:
+                self._free_cached -= 1
+            self._forget_hash(block)
+            src = self.blocks[table[i]]
+            assert src.hash is not None, "a shared block is always a full, named one"
+            copy(src.block_id, dst)
+            handed[i] = dst
+            copies.append((dst, src.hash))
+        try:
+            transfer(handed, copies)
+        except BaseException:
+            for dst, _ in copies:  # unnamed again: first out of the free queue
+                self._free[dst] = None
+                self._free.move_to_end(dst, last=False)
+            raise
+        for i in shared:
+            self.blocks[table[i]].ref_count -= 1  # still used by the request that shares it
+        for block_id in handed:
+            block = self.blocks[block_id]
+            if block.hash is not None and self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.hash = block.tokens = None
+            block.ref_count = 0
+            self._held.discard(block_id)
+            self.events.append(BlockEvent("released", block_id, b""))  # no longer ours: nothing to unseal
+        del self._tables[request_id]
+        del self._hashed[request_id]
+        return handed
+
+    def receive(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_computed: int,
+        sealed: Collection[int] = (),
+    ) -> None:
+        """Take a request's blocks handed over by another worker of this node, their KV covering the
+        first `num_computed` of `token_ids`; `sealed`: those the giver sealed in the ledger.
+
+        Full blocks enter the prefix cache under their names, announced (`stored`) to be sealed if
+        they were not; one whose content this worker caches already stays the request's private
+        block, announced `removed` if it was sealed, so it is unsealed before it is ever reused.
+        """
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id} already holds blocks here")
+        full = num_computed // self.block_size
+        names = self.chain(token_ids, full)
+        for block_id in block_ids:
+            if block_id in self._held:
+                raise ValueError(f"block {block_id} is already held here")
+        for pos, block_id in enumerate(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count = 1
+            self._held.add(block_id)
+            if pos >= full:
+                continue
+            if names[pos] not in self._cached:
+                block.hash = names[pos]
+                block.tokens = tuple(token_ids[pos * self.block_size : (pos + 1) * self.block_size])
+                self._cached[block.hash] = block_id
+                if block_id not in sealed:
+                    self.events.append(BlockEvent("stored", block_id, block.hash))
+            elif block_id in sealed:
+                self.events.append(BlockEvent("removed", block_id, names[pos]))
+        self._tables[request_id] = list(block_ids)
+        self._hashed[request_id] = (full, names[-1] if names else ROOT_HASH)
 
     def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> list[int] | None:
         """Make the request's table cover `num_tokens` slots; `prefix` (first call only) is shared.

@@ -18,6 +18,7 @@ _EPOCH_WRITES = {
     "release_lease",
     "grant",
     "adopt",
+    "hand_over",
     "authorize_write",
     "seal",
     "unseal",
@@ -114,6 +115,18 @@ def check_history(history: list[Op]) -> list[str]:
                     if b not in sealed:
                         problems.append(f"#{op.seq}: block {b} adopted by {worker} but not sealed")
                     owner[b] = (worker, used)
+            elif op.name == "hand_over":
+                to = a[3]
+                for seal in a[4] if len(a) > 4 else ():
+                    if owner.get(seal[0]) != (worker, used) or seal[0] in sealed:
+                        problems.append(f"#{op.seq}: block {seal[0]} sealed by {worker}/{used} in a handoff")
+                    sealed.add(seal[0])
+                if not active.get(to, False) or epoch.get(to) != op.result:
+                    problems.append(f"#{op.seq}: blocks handed to {to} under epoch {op.result}, not its live one")
+                for b in a[2]:
+                    if owner.get(b) != (worker, used):
+                        problems.append(f"#{op.seq}: block {b} handed over by {worker}/{used}, not its owner")
+                    owner[b] = (to, op.result)
             elif op.name in ("authorize_write", "seal"):
                 ids = [a[2]] if op.name == "authorize_write" else [seal[0] for seal in a[2]]
                 for b in ids:

@@ -41,6 +41,10 @@ class FencedError(LedgerError):
     """A write carrying an epoch that is not (or no longer) the writer's current, live lease."""
 
 
+class ReceiverGoneError(LedgerError):
+    """A handoff's receiving worker holds no live lease: the blocks stay with their owner."""
+
+
 class LeaseHeldError(LedgerError):
     """Another live process already holds this worker's lease."""
 
@@ -122,6 +126,22 @@ class Ledger(abc.ABC):
     def adopt(self, worker: str, epoch: int, blocks: Sequence[tuple[int, bytes]]) -> None:
         """Take ownerless SEALED blocks whose recorded hash is the one given (all or none); blocks the
         worker already owns sealed are left as they are."""
+
+    @abc.abstractmethod
+    def hand_over(
+        self,
+        worker: str,
+        epoch: int,
+        block_ids: Sequence[int],
+        to_worker: str,
+        seals: Sequence[Seal] = (),
+        request_id: str = "",
+    ) -> int:
+        """Zero-copy KV handoff (prefill → decode on one node), one transaction: `seals` are sealed
+        first, then the worker's OWNED or SEALED blocks become `to_worker`'s under its current epoch,
+        state, hash and name unchanged (all or none), and so does the request's checkpoint (phase
+        `transfer`), so that only the receiver writes it from now on. Returns that epoch; ReceiverGoneError if
+        `to_worker` holds no live lease."""
 
     @abc.abstractmethod
     def authorize_write(self, worker: str, epoch: int, block_id: int) -> None:

@@ -24,6 +24,7 @@ from steadfast.kv.ledger import (
     LeaseState,
     Ledger,
     LedgerError,
+    ReceiverGoneError,
     RequestCheckpoint,
     Seal,
 )
@@ -235,6 +236,34 @@ class SqliteLedger(Ledger):
                     raise LedgerError(f"block {block_id} belongs to {owner}: not adoptable")
                 c.execute("UPDATE blocks SET owner = ?, epoch = ?, refs = 1 WHERE id = ?", (worker, epoch, block_id))
 
+    def hand_over(
+        self,
+        worker: str,
+        epoch: int,
+        block_ids: Sequence[int],
+        to_worker: str,
+        seals: Sequence[Seal] = (),
+        request_id: str = "",
+    ) -> int:
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            self._seal(c, worker, epoch, seals)
+            row = c.execute("SELECT epoch, state, expires FROM leases WHERE worker = ?", (to_worker,)).fetchone()
+            if row is None or row[1] != LeaseState.ACTIVE or self.clock() > row[2]:
+                raise ReceiverGoneError(f"{to_worker} holds no live lease: nothing can be handed to it")
+            to_epoch = row[0]
+            for block_id in block_ids:
+                self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value, BlockState.SEALED.value))
+            c.executemany(
+                "UPDATE blocks SET owner = ?, epoch = ? WHERE id = ?", ((to_worker, to_epoch, b) for b in block_ids)
+            )
+            if request_id:
+                c.execute(
+                    "UPDATE requests SET owner = ?, epoch = ?, phase = 'transfer' WHERE id = ? AND owner = ?",
+                    (to_worker, to_epoch, request_id, worker),
+                )
+        return to_epoch
+
     def _owned(self, c: sqlite3.Cursor, worker: str, epoch: int, block_id: int, states: tuple[str, ...]) -> str:
         row = c.execute("SELECT state, owner, epoch FROM blocks WHERE id = ?", (block_id,)).fetchone()
         if row is None:
@@ -257,14 +286,17 @@ class SqliteLedger(Ledger):
             for block_id in unseals:
                 self._owned(c, worker, epoch, block_id, (BlockState.SEALED.value,))
                 c.execute("UPDATE blocks SET state = 'OWNED', hash = NULL, content = NULL WHERE id = ?", (block_id,))
-            for block_id, digest, *name in seals:
-                if not digest:
-                    raise LedgerError(f"block {block_id}: a seal needs a content hash")
-                self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value,))
-                c.execute(
-                    "UPDATE blocks SET state = 'SEALED', hash = ?, content = ? WHERE id = ?",
-                    (digest, name[0] if name else None, block_id),
-                )
+            self._seal(c, worker, epoch, seals)
+
+    def _seal(self, c: sqlite3.Cursor, worker: str, epoch: int, seals: Sequence[Seal]) -> None:
+        for block_id, digest, *name in seals:
+            if not digest:
+                raise LedgerError(f"block {block_id}: a seal needs a content hash")
+            self._owned(c, worker, epoch, block_id, (BlockState.OWNED.value,))
+            c.execute(
+                "UPDATE blocks SET state = 'SEALED', hash = ?, content = ? WHERE id = ?",
+                (digest, name[0] if name else None, block_id),
+            )
 
     def free(self, worker: str, epoch: int, block_ids: Sequence[int]) -> None:
         with self._tx() as c:

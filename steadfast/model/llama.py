@@ -1,7 +1,8 @@
 """Llama forward pass in plain PyTorch over the paged KV arena.
 
 One call runs a flat batch of tokens from many requests: decode tokens first (one per request,
-attended in one batched SDPA), then prefill chunks (each attended on its own, causal over its past).
+attended in a few batched matmuls, by groups of similar context length), then prefill chunks (each
+attended on its own, causal over its past).
 Linear layers see the flat `[tokens, hidden]` batch, so no padding is computed outside attention.
 """
 
@@ -47,13 +48,20 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode tokens attended together, each request's KV padded to the group's longest context."""
+
+    count: int  # requests (one token each), consecutive in the flat batch
+    blocks: torch.Tensor  # [count * max_blocks] block tables, padded, flattened
+    pad: torch.Tensor  # [1, count, 1, max_blocks * block_size] True = padding, not attended
+
+
+@dataclass
 class AttentionBatch:
     """Where each new token's KV goes and what each token attends to."""
 
     slots: torch.Tensor  # [tokens] block * block_size + offset of each new token's KV
-    num_decode: int  # the first num_decode tokens are decodes, one per request
-    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block tables, padded, flattened
-    decode_pad: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] True = padding, not attended
+    decodes: list[DecodeGroup]  # the first tokens of the batch, group after group
     prefills: list[PrefillChunk]
 
 
@@ -86,6 +94,21 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(self.device, dtype)  # [positions, head_dim]
         self.sin = emb.sin().to(self.device, dtype)
+        self._scratch = torch.empty(0, dtype=dtype, device=self.device)
+
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of `block_ids`, every KV head: `[2 * kv_heads, len(block_ids), block_size * dim]`.
+
+        Into one reused buffer (each layer's attention is done with it before the next gathers): a
+        fresh multi-MB tensor per layer costs the CPU page faults on every touch, 3x the copy itself.
+        """
+        two_heads, blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
+        flat = kv_cache.view(two_heads, blocks, -1)
+        need = two_heads * block_ids.numel() * flat.shape[2]
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=flat.dtype, device=flat.device)
+        out = self._scratch[:need].view(two_heads, block_ids.numel(), flat.shape[2])
+        return torch.index_select(flat, 1, block_ids, out=out)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalised in fp32, scaled in the model dtype: the same rounding points as the reference.
@@ -152,19 +175,19 @@ class LlamaModel:
         _, kv_heads, blocks, block_size, dim = kv_cache.shape
         group = cfg.group_size
         parts = []
-        nd = batch.num_decode
-        if nd:
-            assert batch.decode_blocks is not None and batch.decode_pad is not None
+        start = 0
+        for g in batch.decodes:
+            nd = g.count
             # K and V of every request in one gather: [2, kv_heads, reqs, ctx, dim]
-            kv = kv_cache.view(2 * kv_heads, blocks, -1).index_select(1, batch.decode_blocks)
-            kv = kv.view(2, kv_heads, nd, -1, dim)
+            kv = self._gather(kv_cache, g.blocks).view(2, kv_heads, nd, -1, dim)
             k, v = kv[0], kv[1]
-            qd = (q[:nd] * dim**-0.5).view(nd, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, reqs, group, dim]
+            qd = (q[start : start + nd] * dim**-0.5).view(nd, kv_heads, group, dim).transpose(0, 1)
             scores = torch.matmul(qd, k.transpose(-1, -2))  # [kv_heads, reqs, group, ctx]
-            scores.masked_fill_(batch.decode_pad, float("-inf"))
+            scores.masked_fill_(g.pad, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = torch.matmul(probs, v)  # [kv_heads, reqs, group, dim]
             parts.append(out.transpose(0, 1).reshape(nd, cfg.num_heads * dim))
+            start += nd
         for chunk in batch.prefills:
             span = slice(chunk.start, chunk.start + chunk.length)
             qc = q[span].transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
@@ -176,8 +199,7 @@ class LlamaModel:
                 out = F.scaled_dot_product_attention(qc, k, v, is_causal=True, enable_gqa=True)
             else:
                 n = chunk.context_len
-                kv = kv_cache.view(2 * kv_heads, blocks, -1).index_select(1, chunk.block_table)
-                kv = kv.view(2, 1, kv_heads, -1, dim)[:, :, :, :n]  # [2, 1, kv_heads, ctx, dim]
+                kv = self._gather(kv_cache, chunk.block_table).view(2, 1, kv_heads, -1, dim)[:, :, :, :n]
                 k, v = kv[0], kv[1]
                 rows = torch.arange(chunk.length, device=q.device).unsqueeze(1) + past
                 mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # [new, ctx]

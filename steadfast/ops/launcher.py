@@ -85,8 +85,10 @@ class Launcher:
             memory = None
         self._cfg_json, self._output, self._tag, self._spec = cfg_json, output, tag, spec
         self._shared_memory = memory is not None
-        addresses = [self._spawn_worker(i, "mixed") for i in range(cfg.server.workers)]
-        standbys = [self._spawn_worker(cfg.server.workers + i, "standby") for i in range(cfg.server.standby_workers)]
+        srv = cfg.server
+        roles = ["mixed"] * srv.workers + ["prefill"] * srv.prefill_workers + ["decode"] * srv.decode_workers
+        addresses = [self._spawn_worker(i, role) for i, role in enumerate(roles)]
+        standbys = [self._spawn_worker(len(roles) + i, "standby") for i in range(srv.standby_workers)]
         self._spawn("router", self._router_args([*addresses, *standbys], len(addresses)))
         self._notices = zmq.Context.instance().socket(zmq.PUSH)  # supervisor → router: deaths, joins
         self._notices.setsockopt(zmq.LINGER, 0)

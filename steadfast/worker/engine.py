@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from steadfast.config import Config
 from steadfast.kv.arena import TORCH_DTYPES, ArenaSpec, KVArena
 from steadfast.kv.block_manager import BlockManager, BlockSource
-from steadfast.kv.ledger import LedgerError
+from steadfast.kv.ledger import LedgerError, ReceiverGoneError
 from steadfast.model.gguf_loader import LlamaConfig, load_weights, open_gguf, read_config
 from steadfast.model.llama import LlamaModel
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.protocol import AddRequest, RequestOutput
+from steadfast.protocol import AddRequest, Handoff, RequestOutput
 from steadfast.worker.detokenizer import Detokenizer
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.request import Request, Status
@@ -102,10 +102,11 @@ class Engine:
         )
         self.sync = sync
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)
-        self.runner = ModelRunner(loaded.model, arena, self.blocks)
+        self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (rejections)
+        self._handoffs: list[tuple[Request, RequestOutput]] = []  # prompts done, KV to hand over
         self.steps = 0
         self.step_seconds = 0.0
         self.step_tokens = 0
@@ -129,13 +130,34 @@ class Engine:
             self._reject(msg, f"request needs more KV blocks than this worker has ({self.blocks.num_blocks})")
             return
         request = Request(msg.request_id, msg.prompt_ids, msg.params, msg.priority)
+        request.decode_worker = msg.decode_worker
         detok = Detokenizer(self.tokenizer, msg.prompt_ids, msg.params.stop)
+        if msg.handoff is not None:
+            self._receive(request, detok, msg)
+            return
         if msg.resume is not None:
             if not self._resume(request, detok, msg):
                 return
         self.requests[msg.request_id] = request
         self._detok[msg.request_id] = detok
         self.scheduler.add(request)
+
+    def _receive(self, request: Request, detok: Detokenizer, msg: AddRequest) -> None:
+        """Continue a request whose prompt a prefill worker of this node computed: its KV blocks are
+        ours already (handed over in the ledger), the first token is in `resume`."""
+        assert msg.handoff is not None and msg.resume is not None
+        h = msg.handoff
+        request.output_ids = list(msg.resume.output_ids)
+        for token in request.output_ids:
+            detok.add(token)
+        detok.sent = msg.resume.text_chars
+        if self.sync is not None:
+            self.sync.received(h.sealed)
+        self.blocks.receive(request.request_id, request.all_ids, h.block_ids, h.num_computed, set(h.sealed))
+        request.num_computed = h.num_computed
+        self.requests[msg.request_id] = request
+        self._detok[msg.request_id] = detok
+        self.scheduler.add_running(request)
 
     def _resume(self, request: Request, detok: Detokenizer, msg: AddRequest) -> bool:
         """Continue a request a dead worker was serving, from what its client already has."""
@@ -190,6 +212,8 @@ class Engine:
         return "ledger_first", (plan[-1][0] + 1) * bs
 
     def _reject(self, msg: AddRequest, why: str) -> None:
+        if msg.handoff is not None and msg.handoff.block_ids and self.blocks.source is not None:
+            self.blocks.source.release(msg.handoff.block_ids)  # handed to us in the ledger: give them back
         self._pending.append(
             RequestOutput(msg.request_id, [], finish_reason="error", error=why, num_prompt_tokens=len(msg.prompt_ids))
         )
@@ -222,6 +246,8 @@ class Engine:
         self.steps += 1
         if self.sync is not None:
             self.sync.after_step(self.requests.values(), self.blocks, prompt_done)
+        while self._handoffs:  # after the step's seals and checkpoint: what is handed over is recorded
+            self._hand_off(*self._handoffs.pop())
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += time.perf_counter() - t0
         return outputs
@@ -267,7 +293,43 @@ class Engine:
         if reason is not None:
             self.scheduler.remove(request.request_id)
             self._finish(request, reason)
+        elif request.decode_worker >= 0 and len(request.output_ids) == 1:
+            self._handoffs.append((request, out))
         return out
+
+    def _hand_off(self, request: Request, out: RequestOutput) -> None:
+        """Give a prefilled request's KV to its decode worker: ownership changes in the ledger, no
+        byte moves (blocks another request here shares are copied). If that cannot be done, this
+        worker keeps decoding the request itself: slower for the others, lossless for the client."""
+        to = request.decode_worker
+        sync = self.sync
+        if sync is None:
+            out.handoff = Handoff(to, error="no ledger on this worker: KV cannot change owner")
+            return
+        sealed: list[int] = []
+        copied = 0
+        t0 = time.perf_counter()
+
+        def transfer(block_ids: list[int], copies: list[tuple[int, bytes]]) -> None:
+            nonlocal copied
+            sealed.extend(sync.hand_over(block_ids, copies, f"worker{to}", request.request_id))
+            copied = len(copies)
+
+        try:
+            handed = self.blocks.hand_over(request.request_id, self.arena.copy_block, transfer)
+        except ReceiverGoneError as exc:
+            handed, why = None, str(exc)
+        else:
+            why = "no free block to copy a shared prefix block into"
+        if handed is None:
+            log.warning("request %s: KV not handed to worker %d (%s); decoding it here", request.request_id, to, why)
+            out.handoff = Handoff(to, error=why)
+            return
+        self.scheduler.detach(request)
+        request.status = Status.FINISHED
+        self.requests.pop(request.request_id, None)
+        self._detok.pop(request.request_id, None)
+        out.handoff = Handoff(to, handed, sealed, request.num_computed, copied=copied, seconds=time.perf_counter() - t0)
 
     def generate(self, requests: list[AddRequest]) -> dict[str, list[RequestOutput]]:
         """Run requests to completion in this process (tests, `steadfast generate`)."""

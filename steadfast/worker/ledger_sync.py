@@ -119,6 +119,22 @@ class LedgerSync:
             self._write(self.ledger.adopt, blocks)
             self._ledger_sealed.update(b for b, _ in blocks)
 
+    def hand_over(
+        self, block_ids: list[int], copies: list[tuple[int, bytes]], to_worker: str, request_id: str = ""
+    ) -> list[int]:
+        """Make a request's blocks `to_worker`'s in the ledger (same-node prefill → decode handoff),
+        sealing the fresh copies of shared blocks (block, token name) in the same transaction.
+        Returns the blocks that are sealed, for the receiver to know. Raises ReceiverGoneError when
+        `to_worker` has no live lease, with nothing changed."""
+        seals = [(b, self.arena.digest(b), name) for b, name in copies]
+        sealed = [b for b in block_ids if b in self._ledger_sealed or b in dict(copies)]
+        self._write(self.ledger.hand_over, block_ids, to_worker, seals, request_id)
+        return sealed
+
+    def received(self, sealed: list[int]) -> None:
+        """Blocks handed to this worker that another sealed: ours to unseal when they are reused."""
+        self._ledger_sealed.update(sealed)
+
     def finished(self, request: Request) -> None:
         self._finished.append(request)
 

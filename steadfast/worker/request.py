@@ -32,6 +32,7 @@ class Request:
         # A taken-over request: (route, tokens of KV adopted) until its first new token reports them.
         self.recovery: tuple[str, int] | None = None
         self.resume_tokens = 0  # tokens it had (prompt + delivered) when it was taken over
+        self.decode_worker = -1  # a prefill worker hands its KV to this worker after the first token
 
     @property
     def all_ids(self) -> list[int]:

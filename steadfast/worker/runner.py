@@ -6,14 +6,56 @@ import torch
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.model.llama import AttentionBatch, LlamaModel, PrefillChunk
+from steadfast.model.llama import AttentionBatch, DecodeGroup, LlamaModel, PrefillChunk
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import ScheduledStep
 
+# One more decode group costs about as much as this many padding blocks of one request (its extra ops
+# per layer against the gathers and matmuls a padding block adds); measured on CPU, see BENCHMARKS.md.
+GROUP_COST_BLOCKS = 64
+
+
+def split_by_width(widths: list[int], max_groups: int, group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
+    """Cut rows sorted by width (blocks, longest first) into at most `max_groups` runs, each padded to
+    its first row's width, minimising padded blocks + `group_cost` per run. Returns the run lengths.
+
+    Exact, by dynamic programming over the distinct widths (few: contexts / block size).
+    """
+    if not widths:
+        return []
+    distinct: list[list[int]] = []  # [width, rows]
+    for w in widths:
+        if distinct and distinct[-1][0] == w:
+            distinct[-1][1] += 1
+        else:
+            distinct.append([w, 1])
+    m = len(distinct)
+    # best[g][i]: cost of cutting the first i distinct widths into g runs; cut[g][i]: where the last run starts
+    inf = float("inf")
+    best = [[inf] * (m + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (m + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0
+    for g in range(1, max_groups + 1):
+        for i in range(1, m + 1):
+            rows = 0
+            for j in range(i - 1, -1, -1):  # last run = distinct[j:i], padded to distinct[j]'s width
+                rows += distinct[j][1]
+                cost = best[g - 1][j] + rows * distinct[j][0] + group_cost
+                if cost < best[g][i]:
+                    best[g][i], cut[g][i] = cost, j
+    groups = min(range(1, max_groups + 1), key=lambda g: best[g][m])
+    runs, i = [], m
+    for g in range(groups, 0, -1):
+        j = cut[g][i]
+        runs.append(sum(rows for _, rows in distinct[j:i]))
+        i = j
+    return runs[::-1]
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, arena: KVArena, blocks: BlockManager) -> None:
+    def __init__(self, model: LlamaModel, arena: KVArena, blocks: BlockManager, max_groups: int = 4) -> None:
         self.model = model
+        self.max_groups = max_groups
         self.arena = arena
         self.blocks = blocks
         self.block_size = blocks.block_size
@@ -28,27 +70,23 @@ class ModelRunner:
         samplers: list[Request] = []
         sample_rows: list[int] = []
 
+        # Longest context first, so that each decode group is a run of consecutive rows.
+        decodes = sorted(step.decodes, key=lambda r: r.num_computed, reverse=True)
         tables = []
-        context_lens = []
-        for request in step.decodes:
+        for request in decodes:
             pos = request.num_computed
             table = self.blocks.block_table(request.request_id)
             tokens.append(request.all_ids[pos])
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            tables.append(table)
-            context_lens.append(pos + 1)
+            tables.append(table[: pos // bs + 1])
             sample_rows.append(len(tokens) - 1)
             samplers.append(request)
-
-        decode_blocks = decode_pad = None
-        if tables:
-            width = max(len(t) for t in tables)
-            # Pad each table to the widest with block 0: its rows are masked out below.
-            decode_blocks = self._tensor([b for t in tables for b in (*t, *([0] * (width - len(t))))])
-            lens = self._tensor(context_lens)
-            decode_pad = torch.arange(width * bs, device=self.device).unsqueeze(0) >= lens.unsqueeze(1)
-            decode_pad = decode_pad.view(1, len(tables), 1, -1)
+        groups = []
+        first = 0
+        for count in split_by_width([len(t) for t in tables], self.max_groups):
+            groups.append(self._decode_group(tables[first : first + count], positions[first : first + count]))
+            first += count
 
         chunks = []
         for request, n in step.prefills:
@@ -65,13 +103,7 @@ class ModelRunner:
                 sample_rows.append(len(tokens) - 1)
                 samplers.append(request)
 
-        batch = AttentionBatch(
-            slots=self._tensor(slots),
-            num_decode=len(step.decodes),
-            decode_blocks=decode_blocks,
-            decode_pad=decode_pad,
-            prefills=chunks,
-        )
+        batch = AttentionBatch(slots=self._tensor(slots), decodes=groups, prefills=chunks)
         logits = self.model.forward(
             self._tensor(tokens),
             self._tensor(positions),
@@ -80,6 +112,14 @@ class ModelRunner:
             self._tensor(sample_rows),
         )
         return logits.cpu(), samplers  # sampling runs on the CPU: per-request seeded generators live there
+
+    def _decode_group(self, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
+        width = len(tables[0])  # the longest: rows are sorted
+        # Pad each table to the group's widest with block 0: its rows are masked out below.
+        blocks = self._tensor([b for t in tables for b in (*t, *([0] * (width - len(t))))])
+        lens = self._tensor([p + 1 for p in positions])
+        pad = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) >= lens.unsqueeze(1)
+        return DecodeGroup(len(tables), blocks, pad.view(1, len(tables), 1, -1))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         # Built on the CPU, copied once: one small host-to-device transfer per index list.

@@ -53,6 +53,15 @@ class Scheduler:
         self._waiting_ids[request.request_id] = request
         heapq.heappush(self._waiting, (request.sort_key, request))
 
+    def add_running(self, request: Request) -> None:
+        """A request whose KV this worker already holds (handed over by a prefill worker)."""
+        request.status = Status.RUNNING
+        self.running.append(request)
+
+    def detach(self, request: Request) -> None:
+        """Take a running request out without freeing its blocks (they were handed to another worker)."""
+        self.running.remove(request)
+
     def remove(self, request_id: str) -> Request | None:
         """Take a request out wherever it is (abort or finish) and free its blocks."""
         request = self._waiting_ids.pop(request_id, None)

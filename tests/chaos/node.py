@@ -46,6 +46,7 @@ class Node:
         self.workers: dict[int, subprocess.Popen] = {}
         self.logs: list = []
         self.received: list[RequestOutput] = []  # every output any call to outputs() saw
+        self.origin: dict[tuple[str, int], int] = {}  # (request, output index) -> worker that sent it
 
     def _log(self, name: str):
         f = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -87,7 +88,7 @@ class Node:
             time.sleep(0.05)
         return self.pool
 
-    def start_worker(self, worker_id: int = 0) -> subprocess.Popen:
+    def start_worker(self, worker_id: int = 0, role: str = "mixed") -> subprocess.Popen:
         env = dict(os.environ, STEADFAST_FAILPOINTS=self.failpoints, STEADFAST_FAILPOINT_DIR=str(self.failpoint_dir))
         address = f"ipc://{self.tmp}/worker{worker_id}"
         proc = subprocess.Popen(
@@ -105,6 +106,8 @@ class Node:
                 self.output,
                 "--pool",
                 self.pool_address,
+                "--role",
+                role,
             ],
             stdout=self._log(f"worker{worker_id}"),
             stderr=subprocess.STDOUT,
@@ -143,6 +146,8 @@ class Node:
             if self.pull.poll(100):
                 msg = protocol.decode_from_worker(self.pull.recv())
                 if isinstance(msg, StepOutputs):
+                    for o in msg.outputs:
+                        self.origin[(o.request_id, o.index)] = msg.worker_id
                     got.extend(msg.outputs)
                     self.received.extend(msg.outputs)
                     done.update(o.request_id for o in msg.outputs if o.finish_reason)

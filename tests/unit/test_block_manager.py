@@ -164,3 +164,82 @@ def test_pool_backed_manager_prefers_a_grant_over_evicting_the_cache():
     bm.allocate("b", 2 * BS)
     assert sum(1 for kind, _ in pool.calls if kind == "grant") > grants_before
     assert len(bm.match_prefix(prompt)) == 2  # the cached blocks were not evicted
+
+
+class SharedPool:
+    """Two managers' block source over one arena (the kvpool's role, without a process)."""
+
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n))
+
+    def grant(self, count: int) -> list[int]:
+        taken, self.free = self.free[:count], self.free[count:]
+        return taken
+
+    def release(self, block_ids: list[int]) -> None:
+        self.free.extend(block_ids)
+
+
+def test_hand_over_moves_a_request_and_copies_only_blocks_another_request_shares():
+    pool = SharedPool(16)
+    p, d = BlockManager(16, BS, source=pool, grant_batch=4), BlockManager(16, BS, source=pool, grant_batch=4)
+    prompt = toks(100, 10)  # two full blocks + 2 tokens
+    p.allocate("a", 10)
+    p.commit("a", prompt, 10)
+    p.allocate("b", 10, prefix=p.match_prefix(prompt))  # "b" shares "a"'s two full blocks
+    a_table = p.block_table("a")
+    copies_made: list[tuple[int, int]] = []
+    seen: list[tuple[list[int], list[tuple[int, bytes]]]] = []
+
+    handed = p.hand_over("a", lambda s, t: copies_made.append((s, t)), lambda ids, c: seen.append((ids, c)))
+    assert handed is not None and len(handed) == 3
+    assert [s for s, _ in copies_made] == a_table[:2]  # the shared full blocks were copied...
+    assert handed[:2] == [t for _, t in copies_made] and handed[2] == a_table[2]  # ...the partial one moved
+    assert seen == [(handed, [(t, p.blocks[s].hash) for s, t in copies_made])]
+    assert p.block_table("a") == [] and set(handed).isdisjoint(p.held_blocks)
+    assert [p.blocks[b].ref_count for b in a_table[:2]] == [1, 1]  # still "b"'s
+    assert [e.kind for e in p.events if e.block_id in handed] == ["released"] * 3
+    p.check_integrity()
+
+    d.receive("a", prompt, handed, 10, sealed=set(handed[:2]))
+    assert d.block_table("a") == handed
+    assert d.match_prefix(prompt + [1]) == handed[:2]  # full blocks are in the receiver's prefix cache
+    assert not [e for e in d.events if e.kind == "stored"]  # sealed by the giver already: nothing to seal
+    d.check_integrity()
+
+
+def test_a_refused_hand_over_changes_nothing():
+    pool = SharedPool(16)
+    p = BlockManager(16, BS, source=pool, grant_batch=4)
+    prompt = toks(100, 10)
+    p.allocate("a", 10)
+    p.commit("a", prompt, 10)
+    p.allocate("b", 10, prefix=p.match_prefix(prompt))
+    before = (p.block_table("a"), [b.ref_count for b in p.blocks], [b.hash for b in p.blocks])
+
+    def refuse(ids, copies):
+        raise RuntimeError("the receiver is gone")
+
+    with pytest.raises(RuntimeError):
+        p.hand_over("a", lambda s, t: None, refuse)
+    # (Blocks granted for the copies stay here, free.)
+    assert (p.block_table("a"), [b.ref_count for b in p.blocks], [b.hash for b in p.blocks]) == before
+    p.check_integrity()
+    p.free("a")
+    p.free("b")
+    p.check_integrity()
+
+
+def test_received_duplicate_content_stays_private_and_is_unsealed_for_reuse():
+    pool = SharedPool(16)
+    d = BlockManager(16, BS, source=pool, grant_batch=4)
+    prompt = toks(100, 10)
+    d.allocate("mine", 10)
+    d.commit("mine", prompt, 10)  # this worker caches the same two blocks already
+    given = pool.grant(3)
+    d.receive("a", prompt, given, 10, sealed={given[0]})
+    removed = [e.block_id for e in d.events if e.kind == "removed"]
+    assert removed == [given[0]]  # sealed elsewhere, unnamed here: to be unsealed before reuse
+    assert d.match_prefix(prompt + [1]) == d.block_table("mine")[:2]
+    d.free("a")
+    d.check_integrity()

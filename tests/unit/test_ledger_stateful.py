@@ -131,6 +131,11 @@ class LedgerMachine(RuleBasedStateMachine):
         digest = b"forged" if forged else b"h%d" % block
         self._try(self.ledger.adopt, worker, self._epoch(worker, stale), [(block, digest)])
 
+    @rule(worker=st.sampled_from(WORKERS), stale=STALE, to=st.sampled_from(WORKERS), take=st.integers(0, 3))
+    def hand_over(self, worker: str, stale: bool, to: str, take: int) -> None:
+        owned = self._owned(worker, (BlockState.OWNED, BlockState.SEALED))
+        self._try(self.ledger.hand_over, worker, self._epoch(worker, stale), owned[: take + 1] or [take], to)
+
     @precondition(lambda self: any(lease.state != LeaseState.ACTIVE for lease in self.inner.leases()))
     @rule(worker=st.sampled_from(WORKERS))
     def reclaim(self, worker: str) -> None:
