@@ -260,6 +260,30 @@ class TakeoverConfig:
 
 
 @dataclass(frozen=True)
+class TransferConfig:
+    """KV streamed from a prefill worker to a decode worker on another node."""
+
+    # Host the decode workers' KV receivers bind (each takes free ports): one address per path.
+    listen_host: str = "127.0.0.1"
+    # Paths per receiver, tried in order: the primary, then alternates (another port; on a real host,
+    # bind alternates to another interface). After the last, the decode worker recomputes the prompt.
+    paths: int = 2
+    # Per attempt: how long the sender waits for the receiver's acknowledgement of a commit.
+    timeout: float = field(default=2.0, metadata={"duration": True})
+    # Resends on a path (missing or corrupt chunks, no answer) before the next path; backoff doubles.
+    retries: int = 3
+    backoff: float = field(default=0.05, metadata={"duration": True})
+    # Stream each layer as soon as the forward pass wrote it (true), or the whole prompt at the end.
+    layerwise: bool = True
+
+    def __post_init__(self) -> None:
+        if self.paths < 1 or self.retries < 0:
+            raise ConfigError("transfer.paths must be >= 1 and transfer.retries >= 0")
+        if self.timeout <= 0 or self.backoff < 0:
+            raise ConfigError("transfer.timeout must be positive and transfer.backoff >= 0")
+
+
+@dataclass(frozen=True)
 class FaultRecoveryConfig:
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     kv_cache: LedgerConfig = field(default_factory=LedgerConfig)
@@ -274,6 +298,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     fault_recovery: FaultRecoveryConfig = field(default_factory=FaultRecoveryConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
         if self.server.prefill_workers and not self.fault_recovery.kv_cache.external_ledger:

@@ -50,6 +50,14 @@ class Handoff(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str = ""
     copied: int = 0  # blocks copied because another request of the prefill worker shares them
     seconds: float = 0.0  # the prefill worker's time to hand over (copies, one ledger transaction)
+    # Across nodes: the path that delivered the KV ("primary", "alternate"; "same_node" on one node),
+    # resends and paths given up, bytes on the wire. A failed transfer says `fallback: recompute`:
+    # the decode worker computes the prompt itself.
+    path: str = ""
+    retries: int = 0
+    fallbacks: int = 0
+    bytes: int = 0
+    fallback: str = ""
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
@@ -62,6 +70,9 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     # this decode worker. To a decode worker: the KV handed to it (with `resume` = the first token).
     decode_worker: int = -1
     handoff: Handoff | None = None
+    # The decode worker is on another node: stream the KV to these receiver addresses (primary, then
+    # alternates) instead of handing blocks over in the ledger.
+    kv_paths: list[str] = []
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -107,6 +118,8 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     prefix_hit_rate: float = 0.0
     step_ms: float = 0.0  # mean engine step time since the last report
     step_tokens: float = 0.0  # mean tokens computed per step since the last report
+    node: str = ""  # which node's KV pool the worker uses: workers of one node hand KV over in place
+    kv_addresses: list[str] = []  # where this worker receives KV from other nodes (primary, alternates)
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):

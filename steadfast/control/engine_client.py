@@ -256,6 +256,9 @@ class EngineClient:
             decode = self._pick_decode() if prefill is not None else None
             if prefill is not None and decode is not None:
                 worker, request.decode_worker = prefill, decode.worker_id
+                p, d = prefill.status, decode.status
+                if p is not None and d is not None and p.node != d.node:  # another node: stream the KV there
+                    request.kv_paths = list(d.kv_addresses)
         if worker is None:
             worker = await self._pick_with_room()
         if worker is None:
@@ -396,7 +399,8 @@ class EngineClient:
             if out.token_ids and out.index < flight.skip_until and not out.finish_reason:
                 continue  # regenerated: the client has these tokens already
             flight.text_chars += len(out.text)
-            flight.queue.put_nowait(out)
+            if out.token_ids or out.text or out.finish_reason is not None:
+                flight.queue.put_nowait(out)  # (a transfer's outcome alone carries nothing for the client)
             if out.handoff is not None and out.finish_reason is None:
                 self._handed(flight, msg.worker_id, out.handoff)
             if out.finish_reason is not None and w is not None:
@@ -407,9 +411,11 @@ class EngineClient:
         rid = flight.add.request_id
         if self.on_handoff is not None:
             self.on_handoff(h)
-        if h.error:
+        if h.error and h.fallback != "recompute":
             log.warning("request %s: KV not handed to %d (%s); decoded on %d", rid, h.to_worker, h.error, from_worker)
             return
+        if h.error:  # every transfer path failed: the decode worker computes the prompt itself
+            log.warning("request %s: KV transfer to %d failed (%s); it recomputes", rid, h.to_worker, h.error)
         source = self._workers.get(from_worker)
         if source is not None:
             source.in_flight.discard(rid)
@@ -422,7 +428,9 @@ class EngineClient:
         target.in_flight.add(rid)
         add = flight.add
         resume = Resume(list(flight.delivered), flight.text_chars, from_worker)
-        handed = AddRequest(rid, add.prompt_ids, add.params, add.priority, resume=resume, handoff=h)
+        handed = AddRequest(
+            rid, add.prompt_ids, add.params, add.priority, resume=resume, handoff=None if h.error else h
+        )
         # Sent now (pyzmq tries at once), so an abort of this request cannot overtake it.
         asyncio.ensure_future(target.sock.send(protocol.encode(handed)))
 

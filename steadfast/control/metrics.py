@@ -65,19 +65,36 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_transfer_bytes = Counter(
+            "steadfast_kv_transfer_bytes", "KV bytes streamed to other nodes", ["path"], registry=r
+        )
+        self.kv_transfer_retries = Counter(
+            "steadfast_kv_transfer_retries", "KV transfer attempts resent on the same path", registry=r
+        )
+        self.kv_transfer_fallbacks = Counter(
+            "steadfast_kv_transfer_fallbacks", "KV transfer paths given up for the next one", registry=r
+        )
         self._window: deque[tuple[float, int]] = deque()
         self.queue_depth.set_function(lambda: self._awaiting_first)
         self.tokens_per_second.set_function(self._rate)
         self._awaiting_first = 0
 
     def handoff(self, h: Handoff) -> None:
-        """A same-node handoff reported by a prefill worker (zero copy, or refused: decoded in place)."""
-        path = "same_node"
-        self.kv_transfers.labels(path, "refused" if h.error else "done").inc()
-        if not h.error:
+        """A prefill worker's report of one KV handoff: on its node (zero copy, or refused: decoded in
+        place) or streamed to another (by which path, resends, paths given up; or failed: recomputed)."""
+        path = h.path or "failed"
+        if h.error:
+            self.kv_transfers.labels(path, "recompute" if h.fallback == "recompute" else "refused").inc()
+        else:
+            self.kv_transfers.labels(path, "done").inc()
+            self.kv_transfer_seconds.labels(path).observe(h.seconds)
+        if path == "same_node":
             self.kv_transfer_blocks.labels(path, "handed").inc(len(h.block_ids) - h.copied)
             self.kv_transfer_blocks.labels(path, "copied").inc(h.copied)
-            self.kv_transfer_seconds.labels(path).observe(h.seconds)
+        else:
+            self.kv_transfer_bytes.labels(path).inc(h.bytes)
+            self.kv_transfer_retries.inc(h.retries)
+            self.kv_transfer_fallbacks.inc(h.fallbacks)
 
     def request_started(self) -> None:
         self._awaiting_first += 1

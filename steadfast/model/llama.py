@@ -8,6 +8,7 @@ Linear layers see the flat `[tokens, hidden]` batch, so no padding is computed o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,8 +131,10 @@ class LlamaModel:
         batch: AttentionBatch,
         arena: KVArena,
         sample_rows: torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run the flat batch; return fp32 logits `[len(sample_rows), vocab]` for the rows to sample."""
+        """Run the flat batch; return fp32 logits `[len(sample_rows), vocab]` for the rows to sample.
+        `on_layer(i)`, if given, runs as soon as layer i's K/V is written (to stream it elsewhere)."""
         cfg = self.cfg
         n = input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
@@ -153,6 +156,8 @@ class LlamaModel:
             heads, blocks, block_size, dim = k_cache.shape
             k_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, k.transpose(0, 1))
             v_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, v.transpose(0, 1))
+            if on_layer is not None:
+                on_layer(index)
             attn = self._attention(q, k, v, kv_cache, batch)
             x = x + w_o(attn)
             h = self._rms_norm(x, ffn_norm)

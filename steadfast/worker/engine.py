@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from steadfast.config import Config
 from steadfast.kv.arena import TORCH_DTYPES, ArenaSpec, KVArena
 from steadfast.kv.block_manager import BlockManager, BlockSource
 from steadfast.kv.ledger import LedgerError, ReceiverGoneError
+from steadfast.kv.transfer import KVReceiver, KVSender, layer_span, slots_for
 from steadfast.model.gguf_loader import LlamaConfig, load_weights, open_gguf, read_config
 from steadfast.model.llama import LlamaModel
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.protocol import AddRequest, Handoff, RequestOutput
+from steadfast.protocol import AddRequest, Handoff, RequestOutput, Resume
 from steadfast.worker.detokenizer import Detokenizer
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.request import Request, Status
@@ -107,6 +109,11 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (rejections)
         self._handoffs: list[tuple[Request, RequestOutput]] = []  # prompts done, KV to hand over
+        # Across nodes (set by the worker process): streams KV out (prefill side), takes it in (decode side).
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self.layerwise = True  # stream each layer as it is computed, not the whole prompt at the end
+        self._sending: dict[str, tuple[int, int]] = {}  # request -> (decode worker, prompt tokens)
         self.steps = 0
         self.step_seconds = 0.0
         self.step_tokens = 0
@@ -114,7 +121,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._pending)
+        return self.scheduler.has_work or bool(self._pending) or bool(self._sending)
+
+    @property
+    def only_waiting_on_transfers(self) -> bool:
+        """Nothing to compute, only KV transfers to hear back from: the loop may sleep a little."""
+        return not self.scheduler.has_work and not self._pending and bool(self._sending)
 
     def add_request(self, msg: AddRequest) -> None:
         if msg.request_id in self.requests:
@@ -133,8 +145,14 @@ class Engine:
         request.decode_worker = msg.decode_worker
         detok = Detokenizer(self.tokenizer, msg.prompt_ids, msg.params.stop)
         if msg.handoff is not None:
-            self._receive(request, detok, msg)
-            return
+            if self._receive(request, detok, msg):
+                return
+            msg.resume = msg.resume or Resume([], 0)  # the KV did not arrive after all: compute it here
+        if msg.kv_paths and msg.decode_worker >= 0 and self.sender is not None and msg.resume is None:
+            request.kv_paths = list(msg.kv_paths)
+            names = ["primary", *(f"alternate{i}" if i > 1 else "alternate" for i in range(1, len(msg.kv_paths)))]
+            self.sender.begin(msg.request_id, list(zip(names, msg.kv_paths, strict=True)), len(msg.prompt_ids))
+            self._sending[msg.request_id] = (msg.decode_worker, len(msg.prompt_ids))
         if msg.resume is not None:
             if not self._resume(request, detok, msg):
                 return
@@ -142,22 +160,36 @@ class Engine:
         self._detok[msg.request_id] = detok
         self.scheduler.add(request)
 
-    def _receive(self, request: Request, detok: Detokenizer, msg: AddRequest) -> None:
-        """Continue a request whose prompt a prefill worker of this node computed: its KV blocks are
-        ours already (handed over in the ledger), the first token is in `resume`."""
+    def _receive(self, request: Request, detok: Detokenizer, msg: AddRequest) -> bool:
+        """Continue a request whose prompt a prefill worker computed: its KV blocks are ours already
+        (handed over in the ledger on this node; written by our receiver from another), the first
+        token is in `resume`. False when a transfer's blocks are not there (expired): recompute."""
         assert msg.handoff is not None and msg.resume is not None
         h = msg.handoff
+        sealed: list[int] = h.sealed
+        if h.path != "same_node":
+            claimed = self.receiver.claim(msg.request_id) if self.receiver is not None else None
+            if claimed is None or claimed != h.block_ids:
+                if claimed and self.blocks.source is not None:
+                    self.blocks.source.release(claimed)
+                log.warning("request %s: transferred KV not found here; computing the prompt", msg.request_id)
+                return False
+            sealed = []  # written by our receiver: sealed here as their blocks are named
         request.output_ids = list(msg.resume.output_ids)
         for token in request.output_ids:
             detok.add(token)
         detok.sent = msg.resume.text_chars
         if self.sync is not None:
-            self.sync.received(h.sealed)
-        self.blocks.receive(request.request_id, request.all_ids, h.block_ids, h.num_computed, set(h.sealed))
+            self.sync.received(sealed)
+        self.blocks.receive(request.request_id, request.all_ids, h.block_ids, h.num_computed, set(sealed))
         request.num_computed = h.num_computed
+        # Its first output says where the KV came from ("handoff" on this node, "transfer" from another).
+        request.recovery = ("handoff" if h.path == "same_node" else "transfer", h.num_computed)
+        request.resume_tokens = request.num_tokens
         self.requests[msg.request_id] = request
         self._detok[msg.request_id] = detok
         self.scheduler.add_running(request)
+        return True
 
     def _resume(self, request: Request, detok: Detokenizer, msg: AddRequest) -> bool:
         """Continue a request a dead worker was serving, from what its client already has."""
@@ -231,6 +263,7 @@ class Engine:
         self._detok.pop(request.request_id, None)
 
     def step(self) -> list[RequestOutput]:
+        self._transfer_results()
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
@@ -238,7 +271,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.sync is not None:
             self.sync.before_execute(self.blocks)
-        logits, samplers = self.runner.execute(scheduled)
+        logits, samplers = self.runner.execute(scheduled, self._layer_streamer(scheduled))
         prompt_done = self._advance(scheduled)
         tokens = sample(logits, [r.params for r in samplers], [len(r.output_ids) for r in samplers])
         for request, token in zip(samplers, tokens, strict=True):
@@ -247,7 +280,11 @@ class Engine:
         if self.sync is not None:
             self.sync.after_step(self.requests.values(), self.blocks, prompt_done)
         while self._handoffs:  # after the step's seals and checkpoint: what is handed over is recorded
-            self._hand_off(*self._handoffs.pop())
+            request, out = self._handoffs.pop()
+            if request.request_id in self._sending:
+                self._send_kv(request, out)
+            else:
+                self._hand_off(request, out)
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += time.perf_counter() - t0
         return outputs
@@ -288,7 +325,9 @@ class Engine:
         )
         if request.recovery is not None:  # the first token after a takeover reports what it cost
             out.route, out.adopted_tokens = request.recovery
-            out.recomputed_tokens = request.resume_tokens - request.num_cached
+            # Handed-over KV is not in the prefix-cache count (that is the prefill worker's).
+            have = out.adopted_tokens if out.route in ("handoff", "transfer") else request.num_cached
+            out.recomputed_tokens = request.resume_tokens - have
             request.recovery = None
         if reason is not None:
             self.scheduler.remove(request.request_id)
@@ -297,6 +336,79 @@ class Engine:
             self._handoffs.append((request, out))
         return out
 
+    def _layer_streamer(self, scheduled: ScheduledStep) -> Callable[[int], None] | None:
+        """For prefill chunks whose KV goes to another node: a hook the forward pass calls once each
+        layer's K/V is in the arena, copying those bytes out to the sender (layer-wise streaming)."""
+        sender = self.sender
+        spans = [(r, r.num_computed, n) for r, n in scheduled.prefills if r.request_id in self._sending]
+        if sender is None or not spans:
+            return None
+        bs = self.blocks.block_size
+        jobs = [
+            (r.request_id, start, n, slots_for(self.blocks.block_table(r.request_id), bs, start, n))
+            for r, start, n in spans
+        ]
+        for rid, start, n, _ in jobs:
+            self._given(rid).append((start, n))
+
+        def on_layer(layer: int) -> None:
+            for rid, start, n, slots in jobs:
+                sender.layer(rid, layer, start, n, layer_span(self.arena, layer, slots), self.layerwise)
+
+        return on_layer
+
+    def _given(self, request_id: str) -> list[tuple[int, int]]:
+        return self.requests[request_id].kv_given
+
+    def _send_kv(self, request: Request, out: RequestOutput) -> None:
+        """The prompt is computed and its first token out: give the sender whatever it lacks (a
+        prefix found in this worker's cache was never computed here), commit, and let go of the
+        request. The transfer's outcome comes back later as an output of its own."""
+        assert self.sender is not None
+        rid, bs = request.request_id, self.blocks.block_size
+        table = self.blocks.block_table(rid)
+        covered = sorted(request.kv_given)
+        gaps, pos = [], 0
+        for start, n in covered:
+            if start > pos:
+                gaps.append((pos, start - pos))
+            pos = max(pos, start + n)
+        if pos < len(request.prompt_ids):
+            gaps.append((pos, len(request.prompt_ids) - pos))
+        for start, n in gaps:
+            slots = slots_for(table, bs, start, n)
+            for layer in range(self.arena.spec.num_layers):
+                self.sender.layer(rid, layer, start, n, layer_span(self.arena, layer, slots), False)
+        self.sender.commit(rid)
+        # Its bytes are copied out: the blocks go back (cached here for the next prompt like it).
+        self.scheduler.remove(rid)
+        if self.sync is not None:
+            self.sync.finished(request)  # here, that is: the decode node's ledger follows it from now on
+        request.status = Status.FINISHED
+        self.requests.pop(rid, None)
+        self._detok.pop(rid, None)
+
+    def _transfer_results(self) -> None:
+        """Outputs for transfers that ended: where the decode worker finds the KV, or, every path
+        having failed, that it must compute the prompt itself."""
+        if self.sender is None:
+            return
+        for r in self.sender.results():
+            to, num_tokens = self._sending.pop(r.request_id, (-1, 0))
+            h = Handoff(
+                to,
+                r.block_ids,
+                num_computed=num_tokens,
+                error=r.error,
+                seconds=r.seconds,
+                path=r.path,
+                retries=r.retries,
+                fallbacks=r.fallbacks,
+                bytes=r.bytes,
+                fallback="recompute" if not r.ok else "",
+            )
+            self._pending.append(RequestOutput(r.request_id, [], index=1, handoff=h))
+
     def _hand_off(self, request: Request, out: RequestOutput) -> None:
         """Give a prefilled request's KV to its decode worker: ownership changes in the ledger, no
         byte moves (blocks another request here shares are copied). If that cannot be done, this
@@ -304,7 +416,7 @@ class Engine:
         to = request.decode_worker
         sync = self.sync
         if sync is None:
-            out.handoff = Handoff(to, error="no ledger on this worker: KV cannot change owner")
+            out.handoff = Handoff(to, error="no ledger on this worker: KV cannot change owner", path="same_node")
             return
         sealed: list[int] = []
         copied = 0
@@ -323,13 +435,16 @@ class Engine:
             why = "no free block to copy a shared prefix block into"
         if handed is None:
             log.warning("request %s: KV not handed to worker %d (%s); decoding it here", request.request_id, to, why)
-            out.handoff = Handoff(to, error=why)
+            out.handoff = Handoff(to, error=why, path="same_node")
             return
         self.scheduler.detach(request)
         request.status = Status.FINISHED
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
-        out.handoff = Handoff(to, handed, sealed, request.num_computed, copied=copied, seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        out.handoff = Handoff(
+            to, handed, sealed, request.num_computed, copied=copied, seconds=seconds, path="same_node"
+        )
 
     def generate(self, requests: list[AddRequest]) -> dict[str, list[RequestOutput]]:
         """Run requests to completion in this process (tests, `steadfast generate`)."""

@@ -21,6 +21,7 @@ from steadfast.config import Config, config_from_dict, torch_threads
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena
 from steadfast.kv.pool_client import LeaseLostError, PoolClient, map_arena
+from steadfast.kv.transfer import KVReceiver, KVSender, TransportFaults
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
@@ -46,6 +47,7 @@ class WorkerLoop:
         self.outbox = outbox
         self.role = role
         self.engine: Engine | None = None
+        self.node = ""  # the node's pool address: workers sharing it hand KV over in place
         self.stopping = False
         self._last_status = 0.0
         self._last_counts = (0, 0.0, 0)  # engine steps, step seconds, step tokens at the last report
@@ -70,6 +72,8 @@ class WorkerLoop:
             prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
             step_ms=1000 * (e.step_seconds - seconds0) / steps if steps else 0.0,
             step_tokens=(e.step_tokens - tokens0) / steps if steps else 0.0,
+            node=self.node,
+            kv_addresses=e.receiver.addresses if e.receiver is not None else [],
         )
 
     def _report(self, force: bool = False) -> None:
@@ -85,7 +89,9 @@ class WorkerLoop:
         while not self.stopping:
             if engine.sync is not None and engine.sync.lease.lost:
                 raise LeaseLostError(engine.sync.lease.lost)
-            if self.inbox.poll(0 if engine.has_work else interval_ms):
+            # Busy: no wait. Only waiting to hear how KV transfers ended: a short one. Idle: long.
+            wait = (2 if engine.only_waiting_on_transfers else 0) if engine.has_work else interval_ms
+            if self.inbox.poll(wait):
                 for msg in self.inbox.drain():
                     if isinstance(msg, AddRequest):
                         engine.add_request(msg)
@@ -114,6 +120,26 @@ class WorkerLoop:
                 engine.abort(request_id)
                 failed.append(RequestOutput(request_id, [], finish_reason="error", error=f"engine error: {exc}"))
             return failed
+
+
+def _connect_other_nodes(cfg: Config, engine: Engine, pool_address: str, pool: PoolClient, sync: LedgerSync) -> None:
+    """KV across nodes: a sender (used when this worker prefills for a decode worker elsewhere) and
+    a receiver (when it decodes what a prefill worker elsewhere computed), whose blocks come from
+    this node's pool through a client of its own (the receiver works on its own thread)."""
+    t = cfg.transfer
+    engine.sender = KVSender(engine.arena.spec.num_layers, t.timeout, t.retries, t.backoff, TransportFaults.from_env)
+    engine.layerwise = t.layerwise
+    grants = PoolClient(pool_address, pool.worker)
+    grants.epoch = pool.epoch
+    engine.receiver = KVReceiver(
+        engine.arena,
+        engine.blocks.block_size,
+        [f"tcp://{t.listen_host}:0"] * t.paths,
+        grants.grant,
+        grants.release,
+        t.timeout,
+        sync.lease.check,
+    )
 
 
 def warm_up(engine: Engine) -> None:
@@ -166,6 +192,8 @@ def main() -> None:
         sync = LedgerSync(cfg, pool, reply.ledger_path, arena)
         engine = Engine(cfg, loaded, arena, source=pool, sync=sync)
         log.info("registered with the kvpool as %s, epoch %d", pool.worker, pool.epoch)
+        _connect_other_nodes(cfg, engine, args.pool, pool, sync)
+        loop.node = args.pool
     elif args.device_arena:
         spec = arena_spec(cfg, loaded.model_cfg)
         engine = Engine(cfg, loaded, KVArena.create_device(spec, cfg.model.resolved_device))
@@ -184,6 +212,9 @@ def main() -> None:
     except LeaseLostError as exc:
         log.error("lease lost, every further write would be refused; exiting: %s", exc)
         os._exit(EXIT_LEASE_LOST)  # no clean-up that could write: this process is fenced
+    for side in (engine.sender, engine.receiver):
+        if side is not None:
+            side.close()
     if sync is not None:
         sync.close(pool, engine.blocks.held_blocks)
     ctx.destroy(linger=1000)

@@ -33,6 +33,8 @@ class Request:
         self.recovery: tuple[str, int] | None = None
         self.resume_tokens = 0  # tokens it had (prompt + delivered) when it was taken over
         self.decode_worker = -1  # a prefill worker hands its KV to this worker after the first token
+        self.kv_paths: list[str] = []  # ...on another node, streamed to these addresses
+        self.kv_given: list[tuple[int, int]] = []  # (start, count) spans given to the KV sender
 
     @property
     def all_ids(self) -> list[int]:

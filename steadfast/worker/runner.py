@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from steadfast.kv.arena import KVArena
@@ -61,8 +63,11 @@ class ModelRunner:
         self.block_size = blocks.block_size
         self.device = model.device
 
-    def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
-        """Run the step; return logits `[rows, vocab]` and the request each row samples for."""
+    def execute(
+        self, step: ScheduledStep, on_layer: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """Run the step; return logits `[rows, vocab]` and the request each row samples for.
+        `on_layer(i)` is called once layer i's K/V of the whole batch is in the arena."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -110,6 +115,7 @@ class ModelRunner:
             batch,
             self.arena,
             self._tensor(sample_rows),
+            on_layer,
         )
         return logits.cpu(), samplers  # sampling runs on the CPU: per-request seeded generators live there
 

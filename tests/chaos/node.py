@@ -47,6 +47,7 @@ class Node:
         self.logs: list = []
         self.received: list[RequestOutput] = []  # every output any call to outputs() saw
         self.origin: dict[tuple[str, int], int] = {}  # (request, output index) -> worker that sent it
+        self.status: dict[int, WorkerStatus] = {}  # each worker's ready report
 
     def _log(self, name: str):
         f = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -88,7 +89,9 @@ class Node:
             time.sleep(0.05)
         return self.pool
 
-    def start_worker(self, worker_id: int = 0, role: str = "mixed") -> subprocess.Popen:
+    def start_worker(self, worker_id: int = 0, role: str = "mixed", output: str = "") -> subprocess.Popen:
+        """Start a worker on this node; `output`: another node's output address to report to (one
+        router for both), whose `wait_status` then sees its status."""
         env = dict(os.environ, STEADFAST_FAILPOINTS=self.failpoints, STEADFAST_FAILPOINT_DIR=str(self.failpoint_dir))
         address = f"ipc://{self.tmp}/worker{worker_id}"
         proc = subprocess.Popen(
@@ -103,7 +106,7 @@ class Node:
                 "--input",
                 address,
                 "--output",
-                self.output,
+                output or self.output,
                 "--pool",
                 self.pool_address,
                 "--role",
@@ -117,7 +120,8 @@ class Node:
         push.connect(address)
         self.pushes[worker_id] = push
         self.workers[worker_id] = proc
-        self.wait_status(worker_id, "ready", timeout=120)
+        if not output:
+            self.status[worker_id] = self.wait_status(worker_id, "ready", timeout=120)
         return proc
 
     def wait_status(self, worker_id: int, state: str, timeout: float) -> WorkerStatus:
@@ -127,14 +131,22 @@ class Node:
                 msg = protocol.decode_from_worker(self.pull.recv())
                 if isinstance(msg, WorkerStatus) and msg.worker_id == worker_id and msg.state == state:
                     return msg
-            assert self.workers[worker_id].poll() is None, self.log_text(f"worker{worker_id}")
+            proc = self.workers.get(worker_id)  # (another node's worker reporting here: not ours to watch)
+            assert proc is None or proc.poll() is None, self.log_text(f"worker{worker_id}")
         raise AssertionError(f"worker{worker_id} never reported {state}")
 
     def send(self, worker_id: int, request: AddRequest) -> None:
         self.pushes[worker_id].send(protocol.encode(request))
 
-    def outputs(self, timeout: float, until_finished: set[str] | None = None, max_tokens: int | None = None):
-        """Outputs received within `timeout`, stopping early once `until_finished` all finished."""
+    def outputs(
+        self,
+        timeout: float,
+        until_finished: set[str] | None = None,
+        max_tokens: int | None = None,
+        max_outputs: int | None = None,
+    ):
+        """Outputs received within `timeout`, stopping early once `until_finished` all finished, or
+        `max_tokens` tokens or `max_outputs` outputs came."""
         got: list[RequestOutput] = []
         done: set[str] = set()
         deadline = time.monotonic() + timeout
@@ -142,6 +154,8 @@ class Node:
             if until_finished is not None and until_finished <= done:
                 break
             if max_tokens is not None and sum(len(o.token_ids) for o in got) >= max_tokens:
+                break
+            if max_outputs is not None and len(got) >= max_outputs:
                 break
             if self.pull.poll(100):
                 msg = protocol.decode_from_worker(self.pull.recv())

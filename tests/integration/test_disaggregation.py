@@ -33,10 +33,10 @@ def config() -> Config:
     )
 
 
-def requests(tokenizer) -> list[AddRequest]:
+def requests(tokenizer, tag: str = "") -> list[AddRequest]:
     reqs = []
     for i, prompt in enumerate(PROMPTS[:8]):
-        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        ids = tokenizer.encode_chat([{"role": "user", "content": f"{tag}{prompt}"}])
         temp = 0.0 if i % 2 == 0 else 0.8  # greedy and seeded sampling
         reqs.append(AddRequest(f"r{i}", ids, SamplingParams(MAX_TOKENS, temp, seed=300 + i, ignore_eos=True)))
     return reqs
@@ -60,7 +60,7 @@ def test_prefill_hands_kv_to_decode_worker_and_output_is_exact(tmp_path, fp32_mo
         got: dict[str, list] = {r.request_id: [] for r in [*reqs, refused]}
         handoffs = {}
         while not all(v and v[-1].finish_reason for v in got.values()):
-            outs = node.outputs(timeout=60, max_tokens=1)
+            outs = node.outputs(timeout=60, max_outputs=1)
             assert outs, "no output for a minute"
             for out in outs:
                 got[out.request_id].append(out)
@@ -80,6 +80,7 @@ def test_prefill_hands_kv_to_decode_worker_and_output_is_exact(tmp_path, fp32_mo
             assert len(h.block_ids) == -(-len(r.prompt_ids) // bs)  # every block of the prompt, none recomputed
             assert node.origin[(rid, 0)] == 0  # the first token from the prefill worker...
             assert {node.origin[(rid, o.index)] for o in outs[1:]} == {1}  # ...every other from the decode worker
+            assert (outs[1].route, outs[1].adopted_tokens, outs[1].recomputed_tokens) == ("handoff", h.num_computed, 1)
         # Refused (the decode worker named has no lease): the prefill worker decodes it itself, exactly.
         gone = got["gone"]
         assert gone[0].handoff is not None and "no live lease" in gone[0].handoff.error
@@ -137,3 +138,119 @@ def test_serve_with_prefill_and_decode_workers_streams_exact_tokens(tmp_path, fp
         assert 'steadfast_kv_transfers_total{outcome="done",path="same_node"} 8.0' in metrics
     finally:
         server.stop()
+
+
+class TwoNodes:
+    """Node A (kvpool + prefill workers 0, layer-wise, and 2, send-after-prefill) and node B (its own
+    kvpool and arena + decode worker 1), all reporting to the test, which plays the router: it sends
+    each request to a prefill worker with worker 1's KV receiver addresses and, on the transfer's
+    outcome, sends it on to worker 1. Faults are switched on node A's senders through a file."""
+
+    def __init__(self, tmp_path, cfg: Config) -> None:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        self.a, self.b = Node(tmp_path / "a", cfg), Node(tmp_path / "b", cfg)
+        self.faults = tmp_path / "faults"
+
+    def start(self, monkeypatch) -> list[str]:
+        monkeypatch.setenv("STEADFAST_TRANSFER_FAULTS_FILE", str(self.faults))  # inherited by the workers
+        self.a.start_pool()
+        self.b.start_pool()
+        self.a.start_worker(0, "prefill")
+        layerwise = self.a.cfg_json
+        self.a.cfg_json = json.dumps(self.a.cfg.replace(transfer={"layerwise": False}).to_dict())
+        self.a.start_worker(2, "prefill")
+        self.a.cfg_json = layerwise
+        self.b.start_worker(1, "decode", output=self.a.output)
+        status = self.a.wait_status(1, "ready", timeout=120)
+        assert status.node != self.a.status[0].node and len(status.kv_addresses) == 2
+        return status.kv_addresses
+
+    def run(self, prefill: int, reqs: list[AddRequest], kv_paths: list[str], faults: str = ""):
+        """Every request through prefill (node A) → transfer → decode (node B); returns outputs and
+        the transfer outcome (Handoff) of each."""
+        self.faults.write_text(faults)
+        for r in reqs:
+            add = AddRequest(r.request_id, r.prompt_ids, r.params, decode_worker=1, kv_paths=kv_paths)
+            self.a.send(prefill, add)
+        got: dict[str, list] = {r.request_id: [] for r in reqs}
+        outcome = {}
+        while not all(v and v[-1].finish_reason for v in got.values()):
+            outs = self.a.outputs(timeout=90, max_outputs=1)
+            assert outs, "no output for 90 s"
+            for out in outs:
+                r = next(x for x in reqs if x.request_id == out.request_id)
+                if out.handoff is not None and not out.token_ids:
+                    outcome[r.request_id] = h = out.handoff
+                    so_far = got[r.request_id]
+                    resume = Resume([t for o in so_far for t in o.token_ids], sum(len(o.text) for o in so_far), 0)
+                    handoff = None if h.error else h  # every path failed: worker 1 computes the prompt
+                    self.b.send(1, AddRequest(r.request_id, r.prompt_ids, r.params, resume=resume, handoff=handoff))
+                    continue
+                got[r.request_id].append(out)
+        return got, outcome
+
+    def stop(self) -> None:
+        self.a.stop()
+        self.b.stop()
+
+
+def tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+# (case, prefill worker, faults on node A's senders, expected path, expect resends)
+CROSS_CASES = [
+    ("layerwise", 0, "", "primary", False),
+    ("after_prefill", 2, "", "primary", False),
+    ("drop_and_corrupt", 0, "drop_every=9,corrupt_every=7,path=primary", "primary", True),
+    ("primary_dead", 0, "drop_every=1,path=primary", "alternate", True),
+    ("every_path_dead", 0, "corrupt_every=1,path=*", "", True),
+]
+
+
+def test_kv_streamed_to_another_node_gives_exact_output(tmp_path, fp32_model, make_engine, monkeypatch):
+    """fp32, greedy and seeded: the same tokens as a mixed worker whatever the transfer went through:
+    streamed layer by layer or sent after the prefill; chunks dropped and corrupted (resent on the
+    same path); the primary path dead (the alternate delivers); every path dead (a clear error, and
+    the decode worker computes the prompt). Both pools check clean; no block leaked on node B."""
+    cfg = config().replace(transfer={"timeout": "400ms", "retries": 6, "backoff": "10ms"})
+    nodes = TwoNodes(tmp_path, cfg)
+    try:
+        kv_paths = nodes.start(monkeypatch)
+        for case, prefill, faults, path, resends in CROSS_CASES:
+            # Prompts of their own per case: nothing found in a prefix cache from an earlier case.
+            reqs = [
+                AddRequest(f"{case}-{r.request_id}", r.prompt_ids, r.params)
+                for r in requests(fp32_model.tokenizer, f"({case}) ")[:4]
+            ]
+            reference = make_engine(cfg, fp32_model).generate(reqs)
+            got, outcome = nodes.run(prefill, reqs, kv_paths, faults)
+            for r in reqs:
+                rid = r.request_id
+                assert tokens(got[rid]) == tokens(reference[rid]), rid
+                assert "".join(o.text for o in got[rid]) == "".join(o.text for o in reference[rid]), rid
+                h = outcome[rid]
+                assert h.path == path, (rid, h)
+                if path:
+                    assert not h.error and h.num_computed == len(r.prompt_ids) and h.bytes > 0, h
+                    assert h.fallbacks == (1 if path == "alternate" else 0), h
+                else:  # every path failed: a clear error, and the decode worker computed the prompt
+                    assert h.fallback == "recompute" and "every path failed" in h.error and h.fallbacks == 2, h
+                assert (h.retries > 0) == resends, h
+                assert nodes.a.origin[(rid, 0)] == prefill
+                assert {nodes.a.origin[(rid, o.index)] for o in got[rid][1:]} == {1}, rid
+                first = got[rid][1]  # the decode worker's first output: where its KV came from
+                if path:  # streamed: only the first token's KV computed there
+                    want = ("transfer", len(r.prompt_ids), 1)
+                else:  # computed there (less what its prefix cache held: the shared system prompt)
+                    want = ("rebuild", 0, len(r.prompt_ids) + 1 - first.num_cached_tokens)
+                assert (first.route, first.adopted_tokens, first.recomputed_tokens) == want, (rid, first)
+        for node in (nodes.a, nodes.b):
+            assert check_node(node.ledger(), node.arena()) == []
+        # No block leaked on node B: once the decode worker stops cleanly, its pool has every block back.
+        nodes.b.workers[1].terminate()
+        nodes.b.workers[1].wait(timeout=30)
+        assert all(b.owner is None for b in nodes.b.ledger().blocks())
+    finally:
+        nodes.stop()
