@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -232,14 +233,27 @@ def main() -> None:
         metavar="NAME=YAML",
         help="also serve with this config added (flow-style YAML), e.g. 'nice=server: {router_nice: 10}'",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate Steadfast and the baseline this many times; the ratios of each round and their median",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving.json"))
     args = p.parse_args()
 
-    variants = {"default": bench_steadfast(args)}
-    for spec in args.variant:
-        name, _, extra = spec.partition("=")
-        variants[name] = bench_steadfast(args, extra + "\n")
-    base = {} if args.skip_baseline else bench_transformers(args)
+    rounds = []
+    for _ in range(args.rounds):
+        variants = {"default": bench_steadfast(args)}
+        for spec in args.variant:
+            name, _, extra = spec.partition("=")
+            variants[name] = bench_steadfast(args, extra + "\n")
+        base = {} if args.skip_baseline else bench_transformers(args)
+        rounds.append((variants, base))
+        print(table(variants, base), flush=True)
+    ratios = {
+        c: [v["default"][c]["out_tok_s"] / b[c]["out_tok_s"] for v, b in rounds if c in b] for c in args.concurrency
+    }
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -249,10 +263,16 @@ def main() -> None:
         "steadfast": variants["default"],
         "variants": {name: v for name, v in variants.items() if name != "default"},
         "transformers": base,
+        "rounds": [{"steadfast": v["default"], "transformers": b} for v, b in rounds],
+        "ratio_per_round": ratios,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(table(variants, base))
+    if args.rounds > 1:
+        for c, rs in ratios.items():
+            if rs:
+                each = ", ".join(f"{r:.2f}x" for r in rs)
+                print(f"c={c}: out tok/s vs baseline per round {each}; median {statistics.median(rs):.2f}x")
 
 
 if __name__ == "__main__":
