@@ -14,6 +14,7 @@ The transport is the only part that knows about ZeroMQ (`ZmqPath`); another (NIX
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -130,16 +131,30 @@ def slots_for(block_ids: list[int], block_size: int, start: int, count: int) -> 
     )
 
 
+class PathDownError(ConnectionError):
+    """A transport path cannot take data now (no peer connected, or it stopped reading)."""
+
+
 class ZmqPath:
     """One transport path to a receiver: a DEALER socket to its ROUTER address."""
 
-    def __init__(self, ctx: zmq.Context, name: str, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, name: str, address: str, send_timeout_s: float) -> None:
         self.name, self.address = name, address
         self.faults: TransportFaults | None = None  # set by the sender for each transfer
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # Nothing queued for a peer that is not connected, and no send waits long: a dead receiver
+        # must fail the attempt (PathDownError), never hang the sender.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
         self.sock.connect(address)
         self.sent = 0
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.sock.send(data, copy=False)
+        except zmq.Again as exc:
+            raise PathDownError(f"{self.name} path to {self.address} is not taking data") from exc
 
     def send_chunk(self, chunk: KVChunk) -> int:
         """Send one chunk (through the fault switch); returns the bytes put on the wire."""
@@ -156,11 +171,11 @@ class ZmqPath:
                 flipped = bytearray(chunk.data)
                 flipped[len(flipped) // 2] ^= 0xFF
                 chunk = msgspec.structs.replace(chunk, data=bytes(flipped))
-        self.sock.send(_encoder.encode(chunk), copy=False)
+        self._send(_encoder.encode(chunk))
         return len(chunk.data)
 
     def send(self, msg: KVCommit | KVAbort) -> None:
-        self.sock.send(_encoder.encode(msg))
+        self._send(_encoder.encode(msg))
 
     def wait_ack(self, request_id: str, attempt: int, timeout_s: float) -> KVAck | None:
         deadline = time.monotonic() + timeout_s
@@ -264,7 +279,7 @@ class KVSender:
     def _path(self, name: str, address: str) -> ZmqPath:
         key = (name, address)
         if key not in self._paths:
-            self._paths[key] = ZmqPath(self.ctx, name, address)
+            self._paths[key] = ZmqPath(self.ctx, name, address, self.timeout_s)
         path = self._paths[key]
         f = self.faults
         path.faults = f if f is not None and f.path in (name, "*") else None
@@ -287,7 +302,8 @@ class KVSender:
                 elif kind == "abort":
                     out = self._out.pop(args[0], None)
                     if out is not None:
-                        self._path(*out.addresses[0]).send(KVAbort(out.request_id))
+                        with contextlib.suppress(PathDownError):
+                            self._path(*out.addresses[0]).send(KVAbort(out.request_id))
                         self._results.put(TransferResult(out.request_id, False, error="aborted"))
             except Exception as exc:  # a broken transfer must end in a result, never hang its request
                 rid = args[0] if args else ""
@@ -309,7 +325,10 @@ class KVSender:
             return
         out.chunks[(layer, start)] = (count, data)
         if stream:
-            self._send(self._path(*out.addresses[0]), out, 0, (layer, start))
+            try:
+                self._send(self._path(*out.addresses[0]), out, 0, (layer, start))
+            except PathDownError:
+                return  # not streamed: the commit sends it (or finds the path down then)
             out.streamed.add((layer, start))
 
     def _commit(self, rid: str) -> None:
@@ -325,10 +344,18 @@ class KVSender:
             # What the first path streamed during prefill is not sent again unless found missing.
             todo = [k for k in sorted(out.chunks) if attempt or k not in out.streamed]
             for tries in range(self.retries + 1):
-                for key in todo:
-                    self._send(path, out, attempt, key)
-                path.send(KVCommit(rid, attempt, out.num_tokens, self.num_layers, spans))
-                ack = path.wait_ack(rid, attempt, self.timeout_s)
+                try:
+                    for key in todo:
+                        self._send(path, out, attempt, key)
+                    path.send(KVCommit(rid, attempt, out.num_tokens, self.num_layers, spans))
+                    ack = path.wait_ack(rid, attempt, self.timeout_s)
+                except PathDownError as exc:
+                    errors.append(str(exc))
+                    ack, todo = None, sorted(out.chunks)
+                    if tries < self.retries:
+                        retries += 1
+                        time.sleep(self.backoff_s * 2**tries)
+                    continue
                 if ack is not None and ack.ok:
                     seconds = time.perf_counter() - out.t_commit
                     self._results.put(
@@ -343,7 +370,8 @@ class KVSender:
                 if tries < self.retries:
                     retries += 1
                     time.sleep(self.backoff_s * 2**tries)
-            path.send(KVAbort(rid))
+            with contextlib.suppress(PathDownError):
+                path.send(KVAbort(rid))
             fallbacks += 1
         seconds = time.perf_counter() - out.t_commit
         error = "every path failed: " + "; ".join(errors[-3:])
@@ -414,10 +442,14 @@ class KVReceiver:
             return t.block_ids
 
     def close(self) -> None:
+        """Stop; blocks of transfers nobody claimed go back to the pool."""
         self._stop = True
         self._thread.join(timeout=5)
         for sock in self.socks:
             sock.close(linger=0)
+        with self._lock:
+            for rid in list(self._incoming):
+                self._drop(rid)
 
     def _run(self) -> None:
         poller = zmq.Poller()

@@ -9,12 +9,17 @@ ledger says); the second goes through `steadfast serve` with a prefill and a dec
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import httpx
 import pytest
 
 from steadfast.config import Config
 from steadfast.kv.integrity import check_node
+from steadfast.kv.pool import process_gone
+from steadfast.kv.pool_client import PoolClient
 from steadfast.protocol import AddRequest, Resume, SamplingParams
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS
@@ -252,5 +257,75 @@ def test_kv_streamed_to_another_node_gives_exact_output(tmp_path, fp32_model, ma
         nodes.b.workers[1].terminate()
         nodes.b.workers[1].wait(timeout=30)
         assert all(b.owner is None for b in nodes.b.ledger().blocks())
+    finally:
+        nodes.stop()
+
+
+def test_a_worker_dying_mid_transfer_loses_nothing(tmp_path, fp32_model, make_engine, monkeypatch):
+    """Real kills while KV streams between nodes. The prefill worker dies mid-prompt: the decode worker
+    computes the request itself and the half-received transfer's blocks go back to its pool. The
+    decode worker dies before the commit: every path fails, the request is recomputed on another
+    decode worker. Output exact both times; both pools check clean; nothing leaked."""
+    cfg = config().replace(
+        scheduler={"max_prefill_chunk": 64, "max_num_batched_tokens": 64},  # a long prompt takes many steps
+        transfer={"timeout": "400ms", "retries": 1, "backoff": "10ms"},
+    )
+    long_text = "The lighthouse keeper logged the weather every hour of the long night. " * 140
+    ids = fp32_model.tokenizer.encode_chat([{"role": "user", "content": long_text}])
+    reqs = [AddRequest(f"k{i}", ids, SamplingParams(16, 0.0, ignore_eos=True)) for i in range(2)]
+    want = make_engine(cfg, fp32_model).generate(reqs[:1])["k0"]
+    nodes = TwoNodes(tmp_path, cfg)
+    a, b = nodes.a, nodes.b
+    try:
+        kv_paths = nodes.start(monkeypatch)
+        b.start_worker(3, "decode", output=a.output)
+        a.wait_status(3, "ready", timeout=120)
+
+        # 1. The prefill worker is killed while it streams the prompt's layers.
+        a.send(0, AddRequest("k0", ids, reqs[0].params, decode_worker=1, kv_paths=kv_paths))
+        time.sleep(0.8)
+        assert not a.outputs(timeout=0.05), "the prompt finished before the kill"
+        victim = a.workers[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        assert process_gone(victim.pid)
+        PoolClient(a.pool_address, "supervisor").fence_dead("worker0", victim.pid)
+        b.send(1, AddRequest("k0", ids, reqs[0].params, resume=Resume([], 0, 0)))  # as the router's takeover
+        outs = a.outputs(timeout=120, until_finished={"k0"})
+        assert tokens(outs) == tokens(want)
+        assert outs[0].route == "rebuild" and a.origin[("k0", 0)] == 1
+        # The kill landed mid-transfer: worker 1 had taken chunks in, and gave the blocks back.
+        deadline = time.monotonic() + 10
+        while "KV transfer of k0 expired" not in b.log_text("worker1") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "KV transfer of k0 expired" in b.log_text("worker1")
+
+        # 2. The decode worker is killed before the commit: the prefill worker's transfer fails on
+        # every path and worker 3 computes the prompt.
+        a.send(2, AddRequest("k1", ids, reqs[1].params, decode_worker=1, kv_paths=kv_paths))
+        time.sleep(1.0)
+        victim = b.workers[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        PoolClient(b.pool_address, "supervisor").fence_dead("worker1", victim.pid)
+        got: list = []
+        while not (got and got[-1].finish_reason):
+            for out in a.outputs(timeout=60, max_outputs=1):
+                if out.handoff is not None and not out.token_ids:
+                    h = out.handoff
+                    assert h.fallback == "recompute" and "every path failed" in h.error and h.fallbacks == 2, h
+                    resume = Resume(tokens(got), sum(len(o.text) for o in got), 2)
+                    b.send(3, AddRequest("k1", ids, reqs[1].params, resume=resume))
+                else:
+                    got.append(out)
+        assert tokens(got) == tokens(want)
+        assert a.origin[("k1", 0)] == 2 and {a.origin[("k1", o.index)] for o in got[1:]} == {3}
+
+        for node in (a, b):
+            assert check_node(node.ledger(), node.arena()) == []
+        b.workers[3].terminate()
+        b.workers[3].wait(timeout=30)
+        # Node B: the dead worker's blocks reclaimed, the live one's given back on its clean exit.
+        assert all(blk.owner is None for blk in b.ledger().blocks())
     finally:
         nodes.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from steadfast.kv.block_manager import BlockManager
+from tests.unit.fake_pool import FakePool
 
 pytestmark = pytest.mark.unit
 
@@ -118,23 +119,6 @@ def test_integrity_check_catches_a_broken_refcount():
         bm.check_integrity()
 
 
-class FakePool:
-    """Stands in for the kvpool's grant/release (the real one is exercised in tests/chaos)."""
-
-    def __init__(self, total: int) -> None:
-        self.free = list(range(total))
-        self.calls: list[tuple[str, list[int]]] = []
-
-    def grant(self, count: int) -> list[int]:
-        got, self.free = self.free[:count], self.free[count:]
-        self.calls.append(("grant", got))
-        return got
-
-    def release(self, block_ids: list[int]) -> None:
-        self.free.extend(block_ids)
-        self.calls.append(("release", list(block_ids)))
-
-
 def test_pool_backed_manager_grants_in_batches_and_returns_surplus():
     pool = FakePool(40)
     bm = BlockManager(40, BS, source=pool, grant_batch=3)
@@ -166,27 +150,20 @@ def test_pool_backed_manager_prefers_a_grant_over_evicting_the_cache():
     assert len(bm.match_prefix(prompt)) == 2  # the cached blocks were not evicted
 
 
-class SharedPool:
-    """Two managers' block source over one arena (the kvpool's role, without a process)."""
-
-    def __init__(self, n: int) -> None:
-        self.free = list(range(n))
-
-    def grant(self, count: int) -> list[int]:
-        taken, self.free = self.free[:count], self.free[count:]
-        return taken
-
-    def release(self, block_ids: list[int]) -> None:
-        self.free.extend(block_ids)
+def sharing_prefix(pool: FakePool) -> tuple[BlockManager, list[int]]:
+    """A pool-backed manager where request "b" shares request "a"'s two full prompt blocks."""
+    bm = BlockManager(16, BS, source=pool, grant_batch=4)
+    prompt = toks(100, 10)  # two full blocks + 2 tokens
+    bm.allocate("a", 10)
+    bm.commit("a", prompt, 10)
+    bm.allocate("b", 10, prefix=bm.match_prefix(prompt))
+    return bm, prompt
 
 
 def test_hand_over_moves_a_request_and_copies_only_blocks_another_request_shares():
-    pool = SharedPool(16)
-    p, d = BlockManager(16, BS, source=pool, grant_batch=4), BlockManager(16, BS, source=pool, grant_batch=4)
-    prompt = toks(100, 10)  # two full blocks + 2 tokens
-    p.allocate("a", 10)
-    p.commit("a", prompt, 10)
-    p.allocate("b", 10, prefix=p.match_prefix(prompt))  # "b" shares "a"'s two full blocks
+    pool = FakePool(16)
+    p, prompt = sharing_prefix(pool)
+    d = BlockManager(16, BS, source=pool, grant_batch=4)
     a_table = p.block_table("a")
     copies_made: list[tuple[int, int]] = []
     seen: list[tuple[list[int], list[tuple[int, bytes]]]] = []
@@ -209,12 +186,7 @@ def test_hand_over_moves_a_request_and_copies_only_blocks_another_request_shares
 
 
 def test_a_refused_hand_over_changes_nothing():
-    pool = SharedPool(16)
-    p = BlockManager(16, BS, source=pool, grant_batch=4)
-    prompt = toks(100, 10)
-    p.allocate("a", 10)
-    p.commit("a", prompt, 10)
-    p.allocate("b", 10, prefix=p.match_prefix(prompt))
+    p, _ = sharing_prefix(FakePool(16))
     before = (p.block_table("a"), [b.ref_count for b in p.blocks], [b.hash for b in p.blocks])
 
     def refuse(ids, copies):
@@ -231,7 +203,7 @@ def test_a_refused_hand_over_changes_nothing():
 
 
 def test_received_duplicate_content_stays_private_and_is_unsealed_for_reuse():
-    pool = SharedPool(16)
+    pool = FakePool(16)
     d = BlockManager(16, BS, source=pool, grant_batch=4)
     prompt = toks(100, 10)
     d.allocate("mine", 10)

@@ -10,22 +10,11 @@ import pytest
 
 from steadfast.kv.arena import ArenaSpec, KVArena
 from steadfast.kv.transfer import KVReceiver, KVSender, TransportFaults, layer_span, slots_for
+from tests.unit.fake_pool import FakePool
 
 pytestmark = pytest.mark.unit
 
 SPEC = ArenaSpec(num_blocks=32, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
-
-
-class Pool:
-    def __init__(self, n: int) -> None:
-        self.free = list(range(n))
-
-    def grant(self, count: int) -> list[int]:
-        taken, self.free = self.free[:count], self.free[count:]
-        return taken
-
-    def release(self, block_ids: list[int]) -> None:
-        self.free.extend(block_ids)
 
 
 @pytest.fixture
@@ -35,7 +24,7 @@ def arenas():
     return src, dst
 
 
-def receiver(dst: KVArena, pool: Pool, timeout_s: float = 0.5) -> KVReceiver:
+def receiver(dst: KVArena, pool: FakePool, timeout_s: float = 0.5) -> KVReceiver:
     addresses = ["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]  # a primary and an alternate path
     return KVReceiver(dst, SPEC.block_size, addresses, pool.grant, pool.release, timeout_s)
 
@@ -73,7 +62,7 @@ def assert_same_kv(src: KVArena, dst: KVArena, src_blocks, dst_blocks, num_token
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_a_clean_transfer_delivers_every_byte(arenas, layerwise):
     src, dst = arenas
-    pool = Pool(SPEC.num_blocks)
+    pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
     tx = KVSender(SPEC.num_layers, timeout_s=1.0, retries=2, backoff_s=0.01)
     try:
@@ -92,7 +81,7 @@ def test_a_clean_transfer_delivers_every_byte(arenas, layerwise):
 def test_dropped_or_corrupt_chunks_are_sent_again(arenas, fault, monkeypatch):
     monkeypatch.setenv("STEADFAST_TRANSFER_FAULTS", fault + ",path=primary")
     src, dst = arenas
-    pool = Pool(SPEC.num_blocks)
+    pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
     tx = KVSender(SPEC.num_layers, 1.0, 3, 0.01, TransportFaults.from_env)
     try:
@@ -110,7 +99,7 @@ def test_dropped_or_corrupt_chunks_are_sent_again(arenas, fault, monkeypatch):
 def test_a_stalled_path_falls_back_to_the_alternate_one(arenas, monkeypatch):
     monkeypatch.setenv("STEADFAST_TRANSFER_FAULTS", "drop_every=1,path=primary")  # primary delivers nothing
     src, dst = arenas
-    pool = Pool(SPEC.num_blocks)
+    pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
     alternate = rx.addresses[1]  # the same receiver by another path (its second socket)
     tx = KVSender(SPEC.num_layers, 0.3, 1, 0.01, TransportFaults.from_env)
@@ -128,7 +117,7 @@ def test_a_stalled_path_falls_back_to_the_alternate_one(arenas, monkeypatch):
 def test_every_path_failing_gives_a_clear_error_and_leaks_no_block(arenas, monkeypatch):
     monkeypatch.setenv("STEADFAST_TRANSFER_FAULTS", "corrupt_every=1,path=primary")
     src, dst = arenas
-    pool = Pool(SPEC.num_blocks)
+    pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
     tx = KVSender(SPEC.num_layers, 0.2, 1, 0.01, TransportFaults.from_env)
     try:
@@ -148,7 +137,7 @@ def test_every_path_failing_gives_a_clear_error_and_leaks_no_block(arenas, monke
 
 def test_a_transfer_whose_sender_vanishes_expires_and_frees_its_blocks(arenas):
     src, dst = arenas
-    pool = Pool(SPEC.num_blocks)
+    pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool, timeout_s=0.2)
     tx = KVSender(SPEC.num_layers, 1.0, 0, 0.01)
     try:
