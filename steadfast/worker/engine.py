@@ -259,6 +259,8 @@ class Engine:
         request.finish_reason = reason
         if self.sync is not None:
             self.sync.finished(request)
+        if request.request_id in self._sending and self.sender is not None:
+            self.sender.abort(request.request_id)  # ended before its KV was committed: the receiver lets go
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
 
@@ -405,7 +407,8 @@ class Engine:
                 retries=r.retries,
                 fallbacks=r.fallbacks,
                 bytes=r.bytes,
-                fallback="recompute" if not r.ok else "",
+                # (An aborted transfer's request ended here: nothing for anyone to recompute.)
+                fallback="recompute" if not r.ok and r.error != "aborted" else "",
             )
             self._pending.append(RequestOutput(r.request_id, [], index=1, handoff=h))
 

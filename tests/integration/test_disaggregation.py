@@ -329,3 +329,44 @@ def test_a_worker_dying_mid_transfer_loses_nothing(tmp_path, fp32_model, make_en
         assert all(blk.owner is None for blk in b.ledger().blocks())
     finally:
         nodes.stop()
+
+
+def test_a_request_ending_before_its_kv_is_committed_lets_the_transfer_go(fp32_model, fp32_config, make_arena):
+    """A request whose first token already ends it (max_tokens 1), or that is aborted mid-prompt, never
+    commits: the sender gives the transfer up, the receiver frees what it took, nothing keeps the
+    worker busy. In one process, with a real sender and receiver over TCP."""
+    from steadfast.kv.transfer import KVReceiver, KVSender
+    from steadfast.worker.engine import Engine
+    from tests.unit.fake_pool import FakePool
+
+    cfg = fp32_config.replace(scheduler={"max_prefill_chunk": 32, "max_num_batched_tokens": 64})
+    engine = Engine(cfg, fp32_model, make_arena(cfg, fp32_model))
+    other = make_arena(cfg, fp32_model)  # the "other node's" arena
+    pool = FakePool(other.spec.num_blocks)
+    rx = KVReceiver(other, 16, ["tcp://127.0.0.1:0"], pool.grant, pool.release, timeout_s=5.0)
+    engine.sender = KVSender(other.spec.num_layers, 1.0, 0, 0.01)
+    try:
+        ids = fp32_model.tokenizer.encode("A lighthouse stands on the rock. " * 20)
+        one = AddRequest("one", ids, SamplingParams(1, 0.0), decode_worker=1, kv_paths=rx.addresses)
+        cut = AddRequest("cut", ids, SamplingParams(8, 0.0), decode_worker=1, kv_paths=rx.addresses)
+        engine.add_request(one)
+        engine.add_request(cut)
+        engine.step()  # both prompts start (and stream their first layers); neither is done
+        assert engine.requests["cut"].num_computed < len(ids)
+        engine.abort("cut")
+        outputs = []
+        deadline = time.monotonic() + 30
+        while engine.has_work and time.monotonic() < deadline:
+            outputs += engine.step()
+            time.sleep(0.01)
+        assert not engine.has_work
+        assert [o.finish_reason for o in outputs if o.request_id == "one" and o.token_ids] == ["length"]
+        aborted = {o.request_id: o.handoff for o in outputs if o.handoff is not None}
+        assert set(aborted) == {"one", "cut"}
+        assert all(h.error == "aborted" and h.fallback == "" for h in aborted.values())
+        while len(pool.free) < other.spec.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(pool.free) == other.spec.num_blocks  # the receiver gave back what it took
+    finally:
+        engine.sender.close()
+        rx.close()
