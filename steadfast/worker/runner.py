@@ -15,18 +15,23 @@ from steadfast.worker.scheduler import ScheduledStep
 # One more decode group costs about as much as this many padding blocks of one request (its extra ops
 # per layer against the gathers and matmuls a padding block adds); measured on CPU, see BENCHMARKS.md.
 GROUP_COST_BLOCKS = 64
+MAX_DISTINCT = 32
 
 
 def split_by_width(widths: list[int], max_groups: int, group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
     """Cut rows sorted by width (blocks, longest first) into at most `max_groups` runs, each padded to
     its first row's width, minimising padded blocks + `group_cost` per run. Returns the run lengths.
 
-    Exact, by dynamic programming over the distinct widths (few: contexts / block size).
+    Exact, by dynamic programming over the distinct widths (few: contexts / block size), up to
+    `MAX_DISTINCT` of them.
     """
     if not widths:
         return []
+    # Beyond MAX_DISTINCT widths (long, varied contexts) the cost is judged on widths rounded up to a
+    # common step: the cut stays between rows, and the search stays cheap on the step's hot path.
+    step = max(1, -(-widths[0] // MAX_DISTINCT)) if len(set(widths)) > MAX_DISTINCT else 1
     distinct: list[list[int]] = []  # [width, rows]
-    for w in widths:
+    for w in (-(-w // step) * step for w in widths):
         if distinct and distinct[-1][0] == w:
             distinct[-1][1] += 1
         else:

@@ -52,3 +52,11 @@ def test_the_split_is_optimal_and_keeps_every_row():
         runs = split_by_width(widths, max_groups, group_cost)
         assert sum(runs) == len(widths) and all(runs) and len(runs) <= max_groups
         assert cost(widths, runs, group_cost) == brute_force(widths, max_groups, group_cost)
+
+
+def test_many_distinct_widths_are_cut_cheaply_and_keep_every_row():
+    rng = random.Random(3)
+    widths = sorted((rng.randint(1, 512) for _ in range(128)), reverse=True)
+    runs = split_by_width(widths, 4)
+    assert sum(runs) == 128 and len(runs) <= 4 and all(runs)
+    assert cost(widths, runs, 64) < cost(widths, [128], 64)  # better than one padded group
