@@ -346,21 +346,16 @@ class Engine:
         if sender is None or not spans:
             return None
         bs = self.blocks.block_size
-        jobs = [
-            (r.request_id, start, n, slots_for(self.blocks.block_table(r.request_id), bs, start, n))
-            for r, start, n in spans
-        ]
-        for rid, start, n, _ in jobs:
-            self._given(rid).append((start, n))
+        jobs = []
+        for r, start, n in spans:
+            r.kv_given.append((start, n))
+            jobs.append((r.request_id, start, n, slots_for(self.blocks.block_table(r.request_id), bs, start, n)))
 
         def on_layer(layer: int) -> None:
             for rid, start, n, slots in jobs:
                 sender.layer(rid, layer, start, n, layer_span(self.arena, layer, slots), self.layerwise)
 
         return on_layer
-
-    def _given(self, request_id: str) -> list[tuple[int, int]]:
-        return self.requests[request_id].kv_given
 
     def _send_kv(self, request: Request, out: RequestOutput) -> None:
         """The prompt is computed and its first token out: give the sender whatever it lacks (a
@@ -386,9 +381,13 @@ class Engine:
         self.scheduler.remove(rid)
         if self.sync is not None:
             self.sync.finished(request)  # here, that is: the decode node's ledger follows it from now on
+        self._let_go(request)
+
+    def _let_go(self, request: Request) -> None:
+        """A request another worker continues: it ends here without a finish of its own."""
         request.status = Status.FINISHED
-        self.requests.pop(rid, None)
-        self._detok.pop(rid, None)
+        self.requests.pop(request.request_id, None)
+        self._detok.pop(request.request_id, None)
 
     def _transfer_results(self) -> None:
         """Outputs for transfers that ended: where the decode worker finds the KV, or, every path
@@ -441,9 +440,7 @@ class Engine:
             out.handoff = Handoff(to, error=why, path="same_node")
             return
         self.scheduler.detach(request)
-        request.status = Status.FINISHED
-        self.requests.pop(request.request_id, None)
-        self._detok.pop(request.request_id, None)
+        self._let_go(request)
         seconds = time.perf_counter() - t0
         out.handoff = Handoff(
             to, handed, sealed, request.num_computed, copied=copied, seconds=seconds, path="same_node"

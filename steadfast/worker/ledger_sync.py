@@ -127,7 +127,8 @@ class LedgerSync:
         Returns the blocks that are sealed, for the receiver to know. Raises ReceiverGoneError when
         `to_worker` has no live lease, with nothing changed."""
         seals = [(b, self.arena.digest(b), name) for b, name in copies]
-        sealed = [b for b in block_ids if b in self._ledger_sealed or b in dict(copies)]
+        copied = {b for b, _ in copies}
+        sealed = [b for b in block_ids if b in self._ledger_sealed or b in copied]
         self._write(self.ledger.hand_over, block_ids, to_worker, seals, request_id)
         return sealed
 
