@@ -138,6 +138,10 @@ class ServerConfig:
     # to a decode worker of the node, chosen by load and KV headroom, which streams the rest.
     prefill_workers: int = 0
     decode_workers: int = 0
+    # "same": decode workers share the prefill workers' node (KV changes owner in place). "separate":
+    # they get a node of their own (a second kvpool with its own arena and ledger, standing in for
+    # another host), and each request's KV is streamed there (see `transfer`).
+    decode_node: str = "same"
     # Seconds a worker may take to load the model and say ready.
     startup_timeout_s: float = 180.0
     # How often workers report their load to the router.
@@ -147,7 +151,8 @@ class ServerConfig:
     # The router's CPU niceness: workers' forward passes are the bottleneck, and a router thread that
     # preempts one of a worker's OpenMP threads stalls the whole team at the next barrier.
     router_nice: int = 10
-    # Hot standbys: loaded, arena mapped, no traffic until a worker dies and one takes its requests.
+    # Hot standbys per node: loaded, arena mapped, no traffic until a worker of their node dies and
+    # one takes its requests (adopting its KV from that node's arena).
     standby_workers: int = 1
 
     def __post_init__(self) -> None:
@@ -161,6 +166,10 @@ class ServerConfig:
             raise ConfigError("server.workers, prefill_workers and decode_workers must be >= 0")
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ConfigError("server.prefill_workers and server.decode_workers go together: set both or neither")
+        if self.decode_node not in ("same", "separate"):
+            raise ConfigError(f"server.decode_node must be same or separate, got {self.decode_node!r}")
+        if self.decode_node == "separate" and not self.decode_workers:
+            raise ConfigError("server.decode_node: separate needs decode_workers (and prefill_workers)")
         if self.workers + self.prefill_workers + self.decode_workers < 1:
             raise ConfigError("server needs at least one worker (workers, or prefill_workers + decode_workers)")
         if self.startup_timeout_s <= 0 or self.status_interval_s <= 0:

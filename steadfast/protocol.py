@@ -58,6 +58,7 @@ class Handoff(msgspec.Struct, array_like=True, omit_defaults=True):
     fallbacks: int = 0
     bytes: int = 0
     fallback: str = ""
+    stream_seconds: float = 0.0  # first chunk sent → acknowledged (layer-wise: paced by the prefill)
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):

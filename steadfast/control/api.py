@@ -338,6 +338,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
                     "role": w.role,
                     "pid": s.pid if s else None,
                     "state": "dead" if w.dead else (s.state if s else "starting"),
+                    "node": w.node,  # its kvpool's address: workers of one node hand KV over in place
                     "kv_blocks_used": s.kv_blocks_used if s else 0,
                     "kv_blocks_total": s.kv_blocks_total if s else 0,
                     "running": s.num_running if s else 0,

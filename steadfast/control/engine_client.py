@@ -73,6 +73,10 @@ class WorkerHandle:
         return self.role != "standby"
 
     @property
+    def node(self) -> str:
+        return self.status.node if self.status is not None else ""
+
+    @property
     def load(self) -> int:
         # Requests the router sent that the worker has not finished, whatever its last report says.
         return len(self.in_flight)
@@ -124,16 +128,16 @@ class Takeover:
 class EngineClient:
     def __init__(
         self,
-        workers: list[tuple[str, str]],
+        workers: list[tuple[int, str, str]],
         output_address: str,
         status_interval_s: float,
         takeover: TakeoverConfig | None = None,
         idempotency_window_s: float = 60.0,
-        ledger_path: str = "",
+        ledger_paths: list[str] | tuple[str, ...] = (),
         max_in_flight: int = 128,
     ) -> None:
-        """`workers`: (input address, role) of each worker, ids in order. `ledger_path`: where a
-        restarted router finds requests it never saw (to resume them for reconnecting clients)."""
+        """`workers`: (id, input address, role) of each worker. `ledger_paths`: each node's ledger,
+        where a restarted router finds requests it never saw (to resume them for reconnecting clients)."""
         self.ctx = zmq.asyncio.Context()
         self.output_address = output_address
         self.status_interval_s = status_interval_s
@@ -141,8 +145,8 @@ class EngineClient:
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.bind(output_address)
         self._workers: dict[int, WorkerHandle] = {}
-        for i, (address, role) in enumerate(workers):
-            self._add_worker(i, address, role)
+        for worker_id, address, role in workers:
+            self._add_worker(worker_id, address, role)
         self._flights: dict[str, Flight] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._moves = asyncio.Semaphore(self.takeover_cfg.max_concurrent)
@@ -151,7 +155,7 @@ class EngineClient:
         self.window_s = idempotency_window_s
         self.max_in_flight = max_in_flight
         self._retired: dict[str, Retired] = {}
-        self.ledger_path = ledger_path
+        self.ledger_paths = list(ledger_paths)
         self.on_handoff: Callable[[Handoff], None] | None = None  # metrics hook
 
     @property
@@ -183,18 +187,24 @@ class EngineClient:
         active = [w for w in self._workers.values() if w.active and not w.dead]
         return bool(active) and all(w.ready for w in active)
 
-    def _pick(self, exclude: int = -1, roles: tuple[str, ...] = SERVE_ROLES) -> WorkerHandle | None:
-        """The least loaded ready worker of the first of `roles` that has one; when none has, a
-        standby is promoted to `roles[0]`."""
+    def _pick(self, exclude: int = -1, roles: tuple[str, ...] = SERVE_ROLES, node: str = "") -> WorkerHandle | None:
+        """The least loaded ready worker of the first of `roles` that has one, on `node` if one is
+        there (a dead worker's KV is adoptable only on its own node); when none has, a standby (of
+        `node` first) is promoted to `roles[0]`."""
         live = [w for w in self._workers.values() if w.ready and w.worker_id != exclude]
         for role in roles:
             candidates = [w for w in live if w.role == role]
             if candidates:
-                return min(candidates, key=lambda w: (w.load, w.worker_id))
-        standby = min((w for w in live if w.role == "standby"), key=lambda w: w.worker_id, default=None)
+                return min(candidates, key=lambda w: (bool(node) and w.node != node, w.load, w.worker_id))
+        standby = self._standby(live, node)
         if standby is not None:
             self._promote(standby, roles[0])
         return standby
+
+    @staticmethod
+    def _standby(live: list[WorkerHandle], node: str) -> WorkerHandle | None:
+        standbys = [w for w in live if w.role == "standby"]
+        return min(standbys, key=lambda w: (bool(node) and w.node != node, w.worker_id), default=None)
 
     def _pick_decode(self) -> WorkerHandle | None:
         """Where a prefilled request decodes: a decode worker with room, by load then KV in use."""
@@ -329,20 +339,24 @@ class EngineClient:
         return AddRequest(request_id, add.prompt_ids, add.params, add.priority, resume=resume), have_tokens
 
     def _from_ledger(self, request_id: str) -> tuple[AddRequest, list[int], int]:
-        if not self.ledger_path:
-            raise UnknownRequestError(request_id)
+        """The request's newest checkpoint among the nodes' ledgers (a request decoded on another
+        node than its prefill left a row there too, until the prefill worker let it go)."""
         from steadfast.kv.sqlite_ledger import SqliteLedger  # only a restarted router reads the ledger
 
-        ledger = SqliteLedger(self.ledger_path)
-        try:
-            ck = ledger.request(request_id)
-        finally:
-            ledger.close()
-        if ck is None:
+        best = None
+        for path in self.ledger_paths:
+            ledger = SqliteLedger(path)
+            try:
+                ck = ledger.request(request_id)
+            finally:
+                ledger.close()
+            if ck is not None and (best is None or len(ck.generated_ids) > len(best.generated_ids)):
+                best = ck
+        if best is None:
             raise UnknownRequestError(request_id)
-        params = msgspec.json.decode(ck.params, type=SamplingParams)
-        owner = int(ck.owner.removeprefix("worker")) if ck.owner and ck.owner.startswith("worker") else -1
-        return AddRequest(request_id, ck.prompt_ids, params), list(ck.generated_ids), owner
+        params = msgspec.json.decode(best.params, type=SamplingParams)
+        owner = int(best.owner.removeprefix("worker")) if (best.owner or "").startswith("worker") else -1
+        return AddRequest(request_id, best.prompt_ids, params), list(best.generated_ids), owner
 
     async def abort(self, worker: WorkerHandle, request_id: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -475,7 +489,7 @@ class EngineClient:
     def _lost(self, w: WorkerHandle) -> None:
         """Stop listening to a worker and move each of its requests, high priority first."""
         w.dead = True
-        role, w.role = w.role, "dead"
+        role, w.role, node = w.role, "dead", w.node
         moving = sorted(
             (f for f in self._flights.values() if f.owner == w.worker_id),
             key=lambda f: f.add.priority,
@@ -487,14 +501,10 @@ class EngineClient:
             if unanswered is not None:  # moved to this worker, which died before answering: free the slot
                 unanswered.answered.set()
             roles = SERVE_ROLES if role == "mixed" else DECODE_ROLES
-            self._tasks.append(asyncio.create_task(self._move(flight, w.worker_id, roles)))
-        # The last worker of its role: a standby steps into it (prefill, decode or mixed).
+            self._tasks.append(asyncio.create_task(self._move(flight, w.worker_id, roles, node)))
+        # The last worker of its role: a standby (of its node, if there is one) steps into it.
         if role != "standby" and not any(x.role == role and not x.dead for x in self._workers.values()):
-            standby = min(
-                (x for x in self._workers.values() if x.ready and x.role == "standby"),
-                key=lambda x: x.worker_id,
-                default=None,
-            )
+            standby = self._standby([x for x in self._workers.values() if x.ready], node)
             if standby is not None:
                 self._promote(standby, role)
         self._workers.pop(w.worker_id, None)
@@ -502,17 +512,18 @@ class EngineClient:
             w.sock.close(linger=0)
         self._tasks = [t for t in self._tasks if not t.done()]
 
-    async def _move(self, flight: Flight, dead: int, roles: tuple[str, ...] = DECODE_ROLES) -> None:
-        """Resume a request on another worker of `roles` (the first that has a ready one)."""
+    async def _move(self, flight: Flight, dead: int, roles: tuple[str, ...] = DECODE_ROLES, node: str = "") -> None:
+        """Resume a request on another worker of `roles` (the first that has a ready one), of the
+        dead worker's `node` if one is there."""
         rid = flight.add.request_id
         async with self._moves:
             deadline = time.monotonic() + self.takeover_cfg.wait_timeout
-            target = self._pick(dead, roles)
+            target = self._pick(dead, roles, node)
             while target is None:
                 if time.monotonic() > deadline or rid not in self._flights:
                     break
                 await asyncio.sleep(0.05)
-                target = self._pick(dead, roles)
+                target = self._pick(dead, roles, node)
             if rid not in self._flights:
                 return  # its client left meanwhile
             if target is None:

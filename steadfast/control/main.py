@@ -22,7 +22,7 @@ from steadfast.worker.engine import max_model_len
 log = logging.getLogger("steadfast.router")
 
 
-async def serve(cfg_json: str, workers: list[tuple[str, str]], output: str, ledger: str = "") -> None:
+async def serve(cfg_json: str, workers: list[tuple[int, str, str]], output: str, ledgers: list[str]) -> None:
     cfg = config_from_dict(json.loads(cfg_json))
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
@@ -32,7 +32,7 @@ async def serve(cfg_json: str, workers: list[tuple[str, str]], output: str, ledg
         cfg.server.status_interval_s,
         cfg.fault_recovery.takeover,
         cfg.fault_recovery.request.idempotency_window,
-        ledger,
+        ledgers,
         cfg.scheduler.max_num_seqs,
     )
     await client.start()
@@ -60,9 +60,9 @@ async def serve(cfg_json: str, workers: list[tuple[str, str]], output: str, ledg
 def main() -> None:
     parser = argparse.ArgumentParser(description="Steadfast router process")
     parser.add_argument("--config-json", required=True)
-    parser.add_argument("--worker", action="append", required=True, help="a worker's input address (repeat)")
-    parser.add_argument("--standby", action="append", default=[], help="a standby's input address (repeat)")
-    parser.add_argument("--ledger", default="", help="the node's ledger, to resume requests after a restart")
+    parser.add_argument("--worker", action="append", required=True, help="ID=ADDRESS of a worker taking traffic")
+    parser.add_argument("--standby", action="append", default=[], help="ID=ADDRESS of a standby (repeat)")
+    parser.add_argument("--ledger", action="append", default=[], help="a node's ledger, to resume after a restart")
     parser.add_argument("--output", required=True, help="address to bind for worker outputs")
     args = parser.parse_args()
     die_with_parent()
@@ -70,9 +70,14 @@ def main() -> None:
     nice = config_from_dict(json.loads(args.config_json)).server.router_nice
     if nice:
         os.nice(nice)
-    # Worker ids follow the order given: the workers first, then the standbys.
-    workers = [(a, "mixed") for a in args.worker] + [(a, "standby") for a in args.standby]
+    workers = [(*_worker(a), "mixed") for a in args.worker] + [(*_worker(a), "standby") for a in args.standby]
     asyncio.run(serve(args.config_json, workers, args.output, args.ledger))
+
+
+def _worker(arg: str) -> tuple[int, str]:
+    """`3=ipc:///run/worker3` → (3, address): ids are the workers' own (after deaths, not 0..n-1)."""
+    worker_id, _, address = arg.partition("=")
+    return int(worker_id), address
 
 
 if __name__ == "__main__":

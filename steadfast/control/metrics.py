@@ -68,11 +68,24 @@ class Metrics:
         self.kv_transfer_bytes = Counter(
             "steadfast_kv_transfer_bytes", "KV bytes streamed to other nodes", ["path"], registry=r
         )
+        self.kv_transfer_bandwidth = Histogram(
+            "steadfast_kv_transfer_bandwidth_bytes_per_second",
+            "KV bytes per second, first chunk sent to acknowledged (layer-wise: paced by the prefill)",
+            ["path"],
+            buckets=(1e6, 1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10),
+            registry=r,
+        )
         self.kv_transfer_retries = Counter(
-            "steadfast_kv_transfer_retries", "KV transfer attempts resent on the same path", registry=r
+            "steadfast_kv_transfer_retries",
+            "KV transfer attempts resent on the same path (by the path that ended it; failed: none did)",
+            ["path"],
+            registry=r,
         )
         self.kv_transfer_fallbacks = Counter(
-            "steadfast_kv_transfer_fallbacks", "KV transfer paths given up for the next one", registry=r
+            "steadfast_kv_transfer_fallbacks",
+            "KV transfer paths given up for the next one (by the path that ended it; failed: none did)",
+            ["path"],
+            registry=r,
         )
         self._window: deque[tuple[float, int]] = deque()
         self.queue_depth.set_function(lambda: self._awaiting_first)
@@ -93,8 +106,10 @@ class Metrics:
             self.kv_transfer_blocks.labels(path, "copied").inc(h.copied)
         else:
             self.kv_transfer_bytes.labels(path).inc(h.bytes)
-            self.kv_transfer_retries.inc(h.retries)
-            self.kv_transfer_fallbacks.inc(h.fallbacks)
+            self.kv_transfer_retries.labels(path).inc(h.retries)
+            self.kv_transfer_fallbacks.labels(path).inc(h.fallbacks)
+            if not h.error and h.stream_seconds > 0:
+                self.kv_transfer_bandwidth.labels(path).observe(h.bytes / h.stream_seconds)
 
     def request_started(self) -> None:
         self._awaiting_first += 1

@@ -202,6 +202,7 @@ class TransferResult:
     bytes: int = 0
     seconds: float = 0.0  # commit → acknowledged
     error: str = ""
+    stream_seconds: float = 0.0  # first chunk sent → acknowledged
 
 
 @dataclass
@@ -213,6 +214,7 @@ class _Outgoing:
     streamed: set[tuple[int, int]] = field(default_factory=set)  # sent on the first path during prefill
     bytes: int = 0
     t_commit: float = 0.0
+    t_first: float = 0.0  # when the first chunk went out
 
 
 class KVSender:
@@ -318,6 +320,7 @@ class KVSender:
             out.request_id, attempt, layer, start, count, out.num_tokens, xxhash.xxh3_64_intdigest(data), data
         )
         out.bytes += path.send_chunk(chunk)
+        out.t_first = out.t_first or time.perf_counter()
 
     def _layer(self, rid: str, layer: int, start: int, count: int, data: bytes, stream: bool) -> None:
         out = self._out.get(rid)
@@ -357,10 +360,10 @@ class KVSender:
                         time.sleep(self.backoff_s * 2**tries)
                     continue
                 if ack is not None and ack.ok:
-                    seconds = time.perf_counter() - out.t_commit
-                    self._results.put(
-                        TransferResult(rid, True, ack.block_ids, name, retries, fallbacks, out.bytes, seconds)
-                    )
+                    now = time.perf_counter()
+                    result = TransferResult(rid, True, ack.block_ids, name, retries, fallbacks, out.bytes)
+                    result.seconds, result.stream_seconds = now - out.t_commit, now - (out.t_first or out.t_commit)
+                    self._results.put(result)
                     return
                 if ack is not None and ack.error:
                     errors.append(f"{name}: {ack.error}")

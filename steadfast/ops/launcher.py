@@ -1,12 +1,14 @@
-"""`steadfast serve`: start the kvpool daemon, the workers, hot standbys and the router; wait until
+"""`steadfast serve`: start the kvpool daemon(s), the workers, hot standbys and the router; wait until
 healthy; supervise.
 
 The kvpool daemon creates the node's KV arena and ledger, so that memory belongs to no engine process
-(with `external_ledger: false`, the launcher makes one private arena per worker instead). Nothing is
-reported as serving before /health says every worker is ready. Each child is watched through a pidfd,
-so a death is seen the instant it happens: a dead worker is reaped (its pid is then surely gone),
-fenced through the pool, announced to the router, which moves its requests to a standby, and a new
-standby is started in the background. A dead kvpool is restarted; it re-attaches arena and ledger.
+(with `external_ledger: false`, the launcher makes one private arena per worker instead). With
+`decode_node: separate` the decode workers get a second kvpool, arena and ledger: another node on this
+host, reached over TCP like a real one. Nothing is reported as serving before /health says every
+worker is ready. Each child is watched through a pidfd, so a death is seen the instant it happens: a
+dead worker is reaped (its pid is then surely gone), fenced through its node's pool, announced to the
+router, which moves its requests to a standby of that node, and a new standby is started there in the
+background. A dead kvpool is restarted; it re-attaches arena and ledger.
 """
 
 from __future__ import annotations
@@ -54,18 +56,33 @@ class Child:
 
 
 @dataclass
+class PoolNode:
+    """One node's KV memory: a kvpool daemon with its arena and ledger. A second one on this host
+    stands in for another machine (its workers receive KV over TCP, never by handoff)."""
+
+    index: int
+    address: str
+    ledger_path: str
+    args: list[str]
+    ledger: SqliteLedger | None = None  # opened when first needed, to read fenced leases
+
+    @property
+    def name(self) -> str:
+        return "kvpool" if self.index == 0 else f"kvpool{self.index}"
+
+
+@dataclass
 class Launcher:
     cfg: Config
     run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="steadfast-")))
     children: list[Child] = field(default_factory=list)
     arenas: list[KVArena] = field(default_factory=list)
     shared_files: list[str] = field(default_factory=list)
-    pool_args: list[str] = field(default_factory=list)
+    nodes: list[PoolNode] = field(default_factory=list)
+    node_of: dict[int, int] = field(default_factory=dict)  # worker id → index into nodes
     pool_restarts: int = 0
-    ledger_path: str = ""
     next_worker_id: int = 0
-    _ledger: SqliteLedger | None = None
-    _respawn_at: list[float] = field(default_factory=list)
+    _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
 
     @property
     def url(self) -> str:
@@ -78,18 +95,21 @@ class Launcher:
         cfg_json = json.dumps(cfg.to_dict())
         output = f"ipc://{self.run_dir}/outputs"
         tag = f"steadfast-{os.getpid()}-{self.run_dir.name}"
-        if cfg.fault_recovery.kv_cache.external_ledger:
-            # One arena for the node, owned by the kvpool daemon, which grants blocks to every worker.
-            memory = self._start_pool(cfg_json, spec, str(Path(cfg.cache.arena_dir) / f"{tag}.kv"))
-        else:
-            memory = None
-        self._cfg_json, self._output, self._tag, self._spec = cfg_json, output, tag, spec
-        self._shared_memory = memory is not None
         srv = cfg.server
-        roles = ["mixed"] * srv.workers + ["prefill"] * srv.prefill_workers + ["decode"] * srv.decode_workers
-        addresses = [self._spawn_worker(i, role) for i, role in enumerate(roles)]
-        standbys = [self._spawn_worker(len(roles) + i, "standby") for i in range(srv.standby_workers)]
-        self._spawn("router", self._router_args([*addresses, *standbys], len(addresses)))
+        if cfg.fault_recovery.kv_cache.external_ledger:
+            # One arena per node, owned by its kvpool daemon, which grants blocks to the node's workers.
+            for i in range(2 if srv.decode_node == "separate" else 1):
+                suffix = "" if i == 0 else f"-node{i}"
+                self._start_pool(i, cfg_json, spec, str(Path(cfg.cache.arena_dir) / f"{tag}{suffix}.kv"))
+        self._cfg_json, self._output, self._tag, self._spec = cfg_json, output, tag, spec
+        last = max(len(self.nodes) - 1, 0)  # decode workers' node: the second when separate
+        placed = [("mixed", 0)] * srv.workers + [("prefill", 0)] * srv.prefill_workers
+        placed += [("decode", last)] * srv.decode_workers
+        placed += [("standby", node) for node in range(last + 1) for _ in range(srv.standby_workers)]
+        for worker_id, (role, node) in enumerate(placed):
+            self._spawn_worker(worker_id, role, node)
+        active = [i for i, (role, _) in enumerate(placed) if role != "standby"]
+        self._spawn("router", self._router_args(active, [i for i in range(len(placed)) if i not in active]))
         self._notices = zmq.Context.instance().socket(zmq.PUSH)  # supervisor → router: deaths, joins
         self._notices.setsockopt(zmq.LINGER, 0)
         self._notices.connect(output)
@@ -98,42 +118,47 @@ class Launcher:
             spec.num_blocks,
             spec.block_size,
             spec.nbytes / 2**20,
-            " shared by the workers" if memory else " per worker",
+            f" per node, {len(self.nodes)} node(s)" if self.nodes else " per worker",
         )
         self._wait_healthy()
 
-    def _router_args(self, addresses: list[str], active: int) -> list[str]:
-        """The router's command line: the first `active` addresses take traffic, the rest are standbys.
-        A restarted router learns each worker's current role from its first status report."""
+    def _worker_address(self, worker_id: int) -> str:
+        return f"ipc://{self.run_dir}/worker{worker_id}"
+
+    def _router_args(self, active: list[int], standbys: list[int]) -> list[str]:
+        """The router's command line: workers (by id) that take traffic, then standbys. A restarted
+        router learns each worker's current role from its first status report."""
         args = ["steadfast.control.main", "--config-json", self._cfg_json, "--output", self._output]
-        if self.ledger_path:
-            args += ["--ledger", self.ledger_path]
-        for i, address in enumerate(addresses):
-            args += ["--worker" if i < active else "--standby", address]
+        for node in self.nodes:
+            args += ["--ledger", node.ledger_path]
+        for flag, ids in (("--worker", active), ("--standby", standbys)):
+            for worker_id in ids:
+                args += [flag, f"{worker_id}={self._worker_address(worker_id)}"]
         return args
 
     def _router_died(self, c: Child) -> Child:
         """Restart the router on the workers that live now; clients reconnect with Last-Event-ID."""
         log.error("router (pid %d) exited with code %s; restarting it", c.proc.pid, c.proc.returncode)
-        workers = sorted(
-            (int(x.name.removeprefix("worker")), f"ipc://{self.run_dir}/{x.name}")
+        alive = sorted(
+            int(x.name.removeprefix("worker"))
             for x in self.children
             if x.name.startswith("worker") and x.proc.poll() is None
         )
-        self._spawn("router", self._router_args([address for _, address in workers], len(workers)))
+        self._spawn("router", self._router_args(alive, []))
         return self.children[-1]
 
-    def _spawn_worker(self, worker_id: int, role: str) -> str:
-        """Start worker `worker_id` (its lease is named after it); return its input address."""
-        if self._shared_memory:
-            where = ["--pool", self.pool_address]
+    def _spawn_worker(self, worker_id: int, role: str, node: int = 0) -> str:
+        """Start worker `worker_id` (its lease is named after it) on `node`; return its input address."""
+        if self.nodes:
+            where = ["--pool", self.nodes[node].address]
         elif self.cfg.model.resolved_device != "cpu":
             where = ["--device-arena"]  # device memory cannot be made here and handed over
         else:
             arena = KVArena.create(str(Path(self.cfg.cache.arena_dir) / f"{self._tag}-w{worker_id}.kv"), self._spec)
             self.arenas.append(arena)
             where = ["--arena", arena.path]
-        address = f"ipc://{self.run_dir}/worker{worker_id}"
+        address = self._worker_address(worker_id)
+        self.node_of[worker_id] = node
         self.next_worker_id = max(self.next_worker_id, worker_id + 1)
         self._spawn(
             f"worker{worker_id}",
@@ -155,26 +180,28 @@ class Launcher:
         return address
 
     def _kill_fenced(self) -> None:
-        """A worker the pool fenced (its lease expired: hung, stopped) can never write again; end it,
+        """A worker its pool fenced (its lease expired: hung, stopped) can never write again; end it,
         so that its death is certain and its requests can move."""
-        if not self.ledger_path:
-            return
-        if self._ledger is None:
-            self._ledger = SqliteLedger(self.ledger_path)
-        fenced = {lease.worker for lease in self._ledger.leases() if lease.state == LeaseState.FENCED}
+        fenced = set()
+        for node in self.nodes:
+            if node.ledger is None:
+                node.ledger = SqliteLedger(node.ledger_path)
+            fenced |= {lease.worker for lease in node.ledger.leases() if lease.state == LeaseState.FENCED}
         for c in self.children:
             if c.name in fenced and c.proc.poll() is None:
                 log.error("%s (pid %d) was fenced while alive; killing it", c.name, c.proc.pid)
                 c.proc.kill()
 
     def _worker_died(self, c: Child) -> None:
-        """Reaped worker: fence it (pid confirmed gone), tell the router; a standby replaces it soon."""
+        """Reaped worker: fence it through its node's pool (pid confirmed gone), tell the router; a
+        standby replaces it on that node soon."""
         worker_id = int(c.name.removeprefix("worker"))
+        node = self.node_of.pop(worker_id, 0)
         code = c.proc.returncode
         log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
-        if self._shared_memory:
+        if self.nodes:
             try:
-                kept = PoolClient(self.pool_address, "supervisor", timeout_s=1.0, attempts=3).fence_dead(
+                kept = PoolClient(self.nodes[node].address, "supervisor", timeout_s=1.0, attempts=3).fence_dead(
                     c.name, c.proc.pid
                 )
                 log.info("%s fenced; %d sealed blocks kept for adoption", c.name, len(kept))
@@ -182,34 +209,42 @@ class Launcher:
                 log.warning("could not fence %s at once: %s", c.name, exc)
         self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1)))
         # Not at once: loading a model takes both cores for seconds, and the takeover needs them now.
-        self._respawn_at.append(time.monotonic() + STANDBY_RESPAWN_DELAY_S)
+        self._respawn_at.append((time.monotonic() + STANDBY_RESPAWN_DELAY_S, node))
 
     def _respawn_due(self) -> list[Child]:
         """Start the standbys whose replacement time has come; return them."""
         started = []
         now = time.monotonic()
-        for due in [t for t in self._respawn_at if t <= now]:
+        for due in [d for d in self._respawn_at if d[0] <= now]:
             self._respawn_at.remove(due)
             new_id = self.next_worker_id
-            address = self._spawn_worker(new_id, "standby")
+            address = self._spawn_worker(new_id, "standby", due[1])
             self._notices.send(protocol.encode(WorkerJoined(new_id, address, "standby")))
             started.append(self.children[-1])
         return started
 
     @property
     def pool_address(self) -> str:
-        return f"ipc://{self.run_dir}/kvpool"
+        """The first node's pool (the only one unless decode workers have a node of their own)."""
+        return self.nodes[0].address
 
-    def _start_pool(self, cfg_json: str, spec: ArenaSpec, arena_path: str) -> str:
-        ledger = self.cfg.fault_recovery.kv_cache.ledger_path or str(self.run_dir / "ledger.db")
-        self.ledger_path = ledger
-        ready = self.run_dir / "kvpool.ready"
-        self.pool_args = [
+    def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec, arena_path: str) -> None:
+        configured = self.cfg.fault_recovery.kv_cache.ledger_path
+        suffix = "" if index == 0 else f"-node{index}"
+        if configured:
+            path = Path(configured)
+            ledger = str(path.with_name(f"{path.stem}{suffix}{path.suffix}"))
+        else:
+            ledger = str(self.run_dir / f"ledger{suffix}.db")
+            self.shared_files += [ledger, ledger + "-wal", ledger + "-shm"]
+        address = f"ipc://{self.run_dir}/kvpool{suffix}"
+        ready = self.run_dir / f"kvpool{suffix}.ready"
+        args = [
             "steadfast.kv.pool",
             "--config-json",
             cfg_json,
             "--address",
-            self.pool_address,
+            address,
             "--arena",
             arena_path,
             "--ledger",
@@ -221,16 +256,15 @@ class Launcher:
             "--device",
             self.cfg.model.resolved_device,
         ]
-        self.shared_files = [arena_path, arena_path + ".json"]
-        if not self.cfg.fault_recovery.kv_cache.ledger_path:
-            self.shared_files += [ledger, ledger + "-wal", ledger + "-shm"]
-        self._spawn("kvpool", self.pool_args)
+        node = PoolNode(index, address, ledger, args)
+        self.nodes.append(node)
+        self.shared_files += [arena_path, arena_path + ".json"]
+        self._spawn(node.name, args)
         deadline = time.monotonic() + 30
         while not ready.exists():
             if self.children[-1].proc.poll() is not None or time.monotonic() > deadline:
-                raise StartupError("the kvpool daemon did not start")
+                raise StartupError(f"the {node.name} daemon did not start")
             time.sleep(0.05)
-        return arena_path
 
     def _spawn(self, name: str, args: list[str]) -> None:
         proc = subprocess.Popen([sys.executable, "-m", *args])
@@ -266,7 +300,8 @@ class Launcher:
                 self._kill_fenced()
                 for fresh in self._respawn_due():
                     pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
-                timeout = 0.5 if not self._respawn_at else max(0.0, min(0.5, min(self._respawn_at) - time.monotonic()))
+                soonest = min((t for t, _ in self._respawn_at), default=time.monotonic() + 0.5)
+                timeout = max(0.0, min(0.5, soonest - time.monotonic()))
                 for fd in wait_sentinels(list(pidfds), timeout=timeout):
                     c = pidfds.pop(fd)  # type: ignore[call-overload]
                     os.close(fd)  # type: ignore[arg-type]
@@ -280,12 +315,14 @@ class Launcher:
                         fresh = self._router_died(c)
                         pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
                         continue
-                    if c.name == "kvpool":
+                    node = next((n for n in self.nodes if n.name == c.name), None)
+                    if node is not None:
                         # The arena and ledger outlive the daemon: a new one re-attaches both and the
                         # workers, which retry their pool requests, carry on.
-                        log.error("kvpool (pid %d) exited with code %s; restarting it", c.proc.pid, c.proc.returncode)
+                        code = c.proc.returncode
+                        log.error("%s (pid %d) exited with code %s; restarting it", c.name, c.proc.pid, code)
                         self.children.remove(c)
-                        self._spawn("kvpool", self.pool_args)
+                        self._spawn(node.name, node.args)
                         self.pool_restarts += 1
                         pidfds[os.pidfd_open(self.children[-1].proc.pid)] = self.children[-1]
                         continue

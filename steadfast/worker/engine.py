@@ -406,6 +406,7 @@ class Engine:
                 retries=r.retries,
                 fallbacks=r.fallbacks,
                 bytes=r.bytes,
+                stream_seconds=r.stream_seconds,
                 # (An aborted transfer's request ended here: nothing for anyone to recompute.)
                 fallback="recompute" if not r.ok and r.error != "aborted" else "",
             )

@@ -110,13 +110,46 @@ server: {workers: 0, prefill_workers: 1, decode_workers: 1, standby_workers: 0}
 """
 
 
-def test_serve_with_prefill_and_decode_workers_streams_exact_tokens(tmp_path, fp32_model, make_engine, fp32_config):
+def chat_body(model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+
+
+def stream_tokens(url: str, body: dict, on_token=lambda n: None) -> list[int]:
+    """The token ids a streaming client receives; `on_token(count)` after each chunk."""
+    tokens: list[int] = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens.extend(choice.get("token_ids", []))
+                on_token(len(tokens))
+    return tokens
+
+
+def reference(make_engine, fp32_config, fp32_model, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list:
     tok = fp32_model.tokenizer
     reqs = [
-        AddRequest(f"r{i}", tok.encode_chat([{"role": "user", "content": p}]), SamplingParams(MAX_TOKENS, 0.0))
-        for i, p in enumerate(PROMPTS[:8])
+        AddRequest(
+            f"r{i}",
+            tok.encode_chat([{"role": "user", "content": p}]),
+            SamplingParams(max_tokens, 0.0, ignore_eos=True),
+        )
+        for i, p in enumerate(prompts)
     ]
-    want = make_engine(fp32_config, fp32_model).generate(reqs)
+    got = make_engine(fp32_config, fp32_model).generate(reqs)
+    return [[t for o in got[f"r{i}"] for t in o.token_ids] for i in range(len(prompts))]
+
+
+def test_serve_with_prefill_and_decode_workers_streams_exact_tokens(tmp_path, fp32_model, make_engine, fp32_config):
+    want = reference(make_engine, fp32_config, fp32_model, PROMPTS[:8])
     server = ServerProcess(tmp_path, SERVE_CONFIG)
     try:
         server.wait_ready()
@@ -124,23 +157,58 @@ def test_serve_with_prefill_and_decode_workers_streams_exact_tokens(tmp_path, fp
         assert roles == ["decode", "prefill"]
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         for i, prompt in enumerate(PROMPTS[:8]):
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "stream": True,
-                "return_token_ids": True,
-            }
-            tokens = []
-            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        for choice in json.loads(line[6:])["choices"]:
-                            tokens.extend(choice.get("token_ids", []))
-            assert tokens == [t for o in want[f"r{i}"] for t in o.token_ids], prompt
+            assert stream_tokens(server.url, chat_body(model, prompt)) == want[i], prompt
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
         assert 'steadfast_kv_transfers_total{outcome="done",path="same_node"} 8.0' in metrics
+    finally:
+        server.stop()
+
+
+SEPARATE_CONFIG = """
+model: {dtype: float32, device: cpu}
+cache: {kv_memory_mb: 128}
+server: {workers: 0, prefill_workers: 1, decode_workers: 1, decode_node: separate, standby_workers: 1}
+"""
+
+
+@pytest.mark.chaos
+def test_serve_with_a_decode_node_streams_kv_and_survives_its_decode_worker(
+    tmp_path, fp32_model, make_engine, fp32_config
+):
+    """`decode_node: separate`: the decode worker has a kvpool, arena and ledger of its own (another
+    node), so every request's KV is streamed to it over TCP. Then its decode worker is killed
+    mid-stream: the supervisor fences it through that node's pool, and the node's standby adopts its
+    KV and finishes the stream, token-exactly."""
+    want = reference(make_engine, fp32_config, fp32_model, PROMPTS[:5], max_tokens=64)
+    server = ServerProcess(tmp_path, SEPARATE_CONFIG)
+    try:
+        server.wait_ready()
+        workers = httpx.get(server.url + "/admin/workers", timeout=10).json()
+        node = {w["role"] if w["role"] != "standby" else f"standby{w['id']}": w["node"] for w in workers}
+        assert len(workers) == 4 and node["prefill"] != node["decode"]  # a standby on each node
+        assert sorted(node[k] for k in node if k.startswith("standby")) == sorted([node["prefill"], node["decode"]])
+        model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        for i, prompt in enumerate(PROMPTS[:4]):
+            assert stream_tokens(server.url, chat_body(model, prompt, 64)) == want[i], prompt
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert 'steadfast_kv_transfers_total{outcome="done",path="primary"} 4.0' in metrics
+        assert 'steadfast_kv_transfer_bandwidth_bytes_per_second_count{path="primary"} 4.0' in metrics
+
+        decode = next(w for w in workers if w["role"] == "decode")
+        killed = []
+
+        def kill_decode_worker(count: int) -> None:
+            if count >= 12 and not killed:
+                os.kill(decode["pid"], signal.SIGKILL)
+                killed.append(count)
+
+        assert stream_tokens(server.url, chat_body(model, PROMPTS[4], 64), kill_decode_worker) == want[4]
+        assert killed
+        (moved,) = httpx.get(server.url + "/admin/takeovers", timeout=10).json()
+        after = {w["id"]: w for w in httpx.get(server.url + "/admin/workers", timeout=10).json()}
+        assert moved["from_worker"] == decode["id"] and after[moved["to_worker"]]["node"] == decode["node"]
+        assert moved["route"] == "ledger_first" and moved["adopted_tokens"] > 0, moved
+        assert after[moved["to_worker"]]["role"] == "decode"
     finally:
         server.stop()
 

@@ -30,6 +30,9 @@ def test_defaults_and_yaml_with_overrides(tmp_path):
         ("scheduler: {max_num_seqs: 'many'}\n", "scheduler.max_num_seqs must be an integer"),
         ("server: {port: 70000}\n", "server.port"),
         ("model: {device: tpu}\n", "model.device"),
+        ("server: {prefill_workers: 1}\n", "go together"),
+        ("server: {decode_node: remote}\n", "server.decode_node must be same or separate"),
+        ("server: {decode_node: separate}\n", "separate needs decode_workers"),
         ("- a list\n", "mapping"),
     ],
 )

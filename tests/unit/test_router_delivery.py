@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 def client(tmp_path):
     c = EngineClient(
-        [(f"ipc://{tmp_path}/w0", "mixed"), (f"ipc://{tmp_path}/w1", "standby")],
+        [(0, f"ipc://{tmp_path}/w0", "mixed"), (1, f"ipc://{tmp_path}/w1", "standby")],
         f"ipc://{tmp_path}/out-{uuid.uuid4().hex[:6]}",
         0.5,
         TakeoverConfig(warmup=10.0),
