@@ -20,7 +20,6 @@ import random
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,70 +28,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import Stream, pct, prompt_of, wait_until  # noqa: E402
 from steadfast.config import default_model_path  # noqa: E402
 from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
-TEXT = (
-    "The history of the lighthouse is a history of light, glass, oil and patience. Keepers trimmed wicks, "
-    "wound clockwork and logged the weather through long nights, while ships passed safely in the dark. "
-)
-
-
-def prompt_of(tokenizer: GGUFTokenizer, n: int) -> list[int]:
-    ids = tokenizer.encode(TEXT * (1 + n // 30))
-    return ids[:n]
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
-
-
-class Stream(threading.Thread):
-    def __init__(self, url: str, model: str, prompt: list[int], max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.url, self.model, self.prompt, self.max_tokens = url, model, prompt, max_tokens
-        self.arrivals: list[float] = []  # one per token received
-        self.error: str | None = None
-
-    def run(self) -> None:
-        body = {
-            "model": self.model,
-            "prompt": self.prompt,
-            "max_tokens": self.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            self.error = chunk["error"]["message"]
-                            return
-                        now = time.perf_counter()
-                        for choice in chunk["choices"]:
-                            self.arrivals.extend(now for _ in choice.get("token_ids", []))
-        except Exception as exc:  # noqa: BLE001 - recorded as this stream's result
-            self.error = repr(exc)
-
 
 def workers(server: ServerProcess) -> list[dict]:
     return httpx.get(server.url + "/admin/workers", timeout=10).json()
-
-
-def wait_until(predicate, timeout: float) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError("condition not met")
 
 
 def run_mode(args: argparse.Namespace, mode: str, tokenizer: GGUFTokenizer, rng: random.Random) -> dict:
