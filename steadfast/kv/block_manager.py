@@ -65,7 +65,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.source = source
         self.grant_batch = grant_batch
-        self.cache_cap = 4 * grant_batch
+        # Free blocks a pool-fed manager keeps (cached prefixes; spare unhashed ones), each at most an
+        # eighth of the arena: the rest goes back, so that no worker hoards the node's memory.
+        self.cache_cap = self.spare_cap = min(4 * grant_batch, max(1, num_blocks // 8))
         self._free_cached = 0  # free blocks that still hold a cached prefix
         # Blocks this manager may hand out: all of them, or those the pool granted.
         self._held: set[int] = set() if source else set(range(num_blocks))
@@ -108,17 +110,26 @@ class BlockManager:
         return len(self._free) >= count
 
     def _release_surplus(self) -> None:
-        """Give the pool back unhashed free blocks beyond a few batches, so other workers can have them."""
+        """Give the pool back free blocks beyond the caps: unhashed ones first, then the least
+        recently used cached ones. A decode worker collects cached blocks it never allocated (handed
+        over, received): kept, they would starve the node's prefill workers of blocks."""
         if self.source is None:
             return
         # Unhashed free blocks are counted without a scan, and sit at the front of the queue.
-        excess = len(self._free) - self._free_cached - 4 * self.grant_batch
-        if excess > 0:
-            surplus = list(itertools.islice((b for b in self._free if self.blocks[b].hash is None), excess))
-            for block_id in surplus:
-                del self._free[block_id]
-                self._held.discard(block_id)
-                self.events.append(BlockEvent("released", block_id, b""))
+        excess = len(self._free) - self._free_cached - self.spare_cap
+        surplus = list(itertools.islice((b for b in self._free if self.blocks[b].hash is None), max(0, excess)))
+        stale = self._free_cached - self.cache_cap
+        if stale > 0:  # cached ones follow the unhashed in the queue, least recently freed first
+            old = list(itertools.islice((b for b in self._free if self.blocks[b].hash is not None), stale))
+            for block_id in old:
+                self._forget_hash(self.blocks[block_id])
+            self._free_cached -= len(old)
+            surplus += old
+        for block_id in surplus:
+            del self._free[block_id]
+            self._held.discard(block_id)
+            self.events.append(BlockEvent("released", block_id, b""))
+        if surplus:
             self.source.release(surplus)
 
     def block_table(self, request_id: str) -> list[int]:

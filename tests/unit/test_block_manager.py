@@ -215,3 +215,27 @@ def test_received_duplicate_content_stays_private_and_is_unsealed_for_reuse():
     assert d.match_prefix(prompt + [1]) == d.block_table("mine")[:2]
     d.free("a")
     d.check_integrity()
+
+
+def test_a_receiving_manager_gives_cached_blocks_beyond_its_cap_back_to_the_pool():
+    """A decode worker is handed blocks it never allocated; once their requests end they are cached
+    here. Past the cap the least recently freed go back to the pool (unnamed), or the node's prefill
+    workers would run out of blocks while this one hoards free ones."""
+    pool = FakePool(64)
+    d = BlockManager(64, BS, source=pool, grant_batch=4)  # caps: min(16, 64 // 8) = 8 blocks
+    assert d.cache_cap == d.spare_cap == 8
+    order = []
+    for i in range(6):  # six requests of two full blocks each, received and finished in turn
+        prompt = toks(1000 * i, 2 * BS)
+        given = pool.grant(2)
+        d.receive(f"r{i}", prompt, given, 2 * BS, sealed=set(given))
+        d.free(f"r{i}")
+        order.append((prompt, given))
+    returned = [b for kind, ids in pool.calls if kind == "release" for b in ids]
+    # The oldest four went back, in the order freed (a request's tail block first).
+    assert returned == [*order[0][1][::-1], *order[1][1][::-1]]
+    assert len(d.held_blocks) == 8 and d.num_free == 8
+    assert d.match_prefix(order[0][0] + [1]) == [] and d.match_prefix(order[5][0] + [1]) == order[5][1]
+    removed = [e.block_id for e in d.events if e.kind == "removed"]
+    assert removed == returned  # their names dropped (so their seals are lifted) before they go
+    d.check_integrity()
