@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import run_info  # noqa: E402
 from steadfast.config import Config  # noqa: E402
 from steadfast.protocol import AddRequest, SamplingParams  # noqa: E402
 from steadfast.worker.engine import Engine, load_model, private_arena  # noqa: E402
@@ -82,10 +79,7 @@ def main() -> None:
         for e in engines.values():
             e.arena.unlink()
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
-        "args": vars(args),
+        **run_info(args),
         "decode_step_ms_median_per_round": {g: [1000 * m for m in ms] for g, ms in medians.items()},
     }
     Path(args.out).write_text(json.dumps(report, indent=2))

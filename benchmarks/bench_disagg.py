@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import platform
 import re
 import sys
 import tempfile
@@ -35,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import Stream, pct, prompt_of  # noqa: E402
+from benchmarks.common import Stream, pct, prompt_of, run_info  # noqa: E402
 from steadfast.config import default_model_path  # noqa: E402
 from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
@@ -228,12 +226,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "disagg.json"))
     args = p.parse_args()
     tok = GGUFTokenizer.from_gguf(default_model_path())
-    report: dict = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "args": vars(args),
-    }
+    report = run_info(args)
     if "handoff" in args.parts:
         report["handoff"] = handoff_part(args, tok)
     if "load" in args.parts:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import signal
 import sys
@@ -28,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import Stream, pct, prompt_of, wait_until  # noqa: E402
+from benchmarks.common import Stream, pct, prompt_of, run_info, wait_until  # noqa: E402
 from steadfast.config import default_model_path  # noqa: E402
 from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
@@ -118,10 +117,7 @@ def main() -> None:
     tokenizer = GGUFTokenizer.from_gguf(default_model_path())
     rng = random.Random(4)
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "args": vars(args),
+        **run_info(args),
         "modes": {mode: run_mode(args, mode, tokenizer, rng) for mode in args.modes},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

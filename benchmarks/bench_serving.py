@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import pct, run_info  # noqa: E402
 from steadfast.config import default_model_path  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
@@ -53,13 +52,6 @@ TOPICS = [
 
 def prompts(n: int) -> list[str]:
     return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})." for i in range(n)]
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -255,11 +247,7 @@ def main() -> None:
         c: [v["default"][c]["out_tok_s"] / b[c]["out_tok_s"] for v, b in rounds if c in b] for c in args.concurrency
     }
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "torch": torch.__version__,
-        "args": vars(args),
+        **run_info(args),
         "steadfast": variants["default"],
         "variants": {name: v for name, v in variants.items() if name != "default"},
         "transformers": base,

@@ -1,13 +1,19 @@
-"""What the HTTP benchmarks share: percentiles, prompts of an exact token length, a streaming client
-that timestamps every token it receives."""
+"""What the benchmarks share: the run's description, percentiles, prompts of an exact token length, a
+streaming client that timestamps every token it receives."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import platform
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
+import torch
 
 from steadfast.model.tokenizer import GGUFTokenizer
 
@@ -15,6 +21,17 @@ TEXT = (
     "The history of the lighthouse is a history of light, glass, oil and patience. Keepers trimmed wicks, "
     "wound clockwork and logged the weather through long nights, while ships passed safely in the dark. "
 )
+
+
+def run_info(args: argparse.Namespace) -> dict:
+    """What a result file says about its run: the exact command, when, where, and the arguments."""
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "torch": torch.__version__,
+        "args": vars(args),
+    }
 
 
 def pct(values: list[float], q: float) -> float:
