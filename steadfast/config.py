@@ -284,6 +284,9 @@ class TransferConfig:
     backoff: float = field(default=0.05, metadata={"duration": True})
     # Stream each layer as soon as the forward pass wrote it (true), or the whole prompt at the end.
     layerwise: bool = True
+    # The chain's last step, after every path failed: the decode worker computes the prompt itself
+    # (true), or the request ends with an error saying why (false).
+    recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.paths < 1 or self.retries < 0:

@@ -51,8 +51,8 @@ class Handoff(msgspec.Struct, array_like=True, omit_defaults=True):
     copied: int = 0  # blocks copied because another request of the prefill worker shares them
     seconds: float = 0.0  # the prefill worker's time to hand over (copies, one ledger transaction)
     # Across nodes: the path that delivered the KV ("primary", "alternate"; "same_node" on one node),
-    # resends and paths given up, bytes on the wire. A failed transfer says `fallback: recompute`:
-    # the decode worker computes the prompt itself.
+    # resends and paths given up, bytes on the wire. A failed transfer says `fallback: recompute`
+    # (the decode worker computes the prompt itself) or `error` (the chain ends: the request fails).
     path: str = ""
     retries: int = 0
     fallbacks: int = 0

@@ -417,6 +417,8 @@ class EngineClient:
                 flight.queue.put_nowait(out)  # (a transfer's outcome alone carries nothing for the client)
             if out.handoff is not None and out.finish_reason is None:
                 self._handed(flight, msg.worker_id, out.handoff)
+            elif out.handoff is not None and self.on_handoff is not None:  # the chain ended in an error
+                self.on_handoff(out.handoff)
             if out.finish_reason is not None and w is not None:
                 w.in_flight.discard(out.request_id)
 

@@ -97,7 +97,8 @@ class Metrics:
         place) or streamed to another (by which path, resends, paths given up; or failed: recomputed)."""
         path = h.path or "failed"
         if h.error:
-            self.kv_transfers.labels(path, "recompute" if h.fallback == "recompute" else "refused").inc()
+            outcome = {"recompute": "recompute", "error": "failed"}.get(h.fallback, "refused")
+            self.kv_transfers.labels(path, outcome).inc()
         else:
             self.kv_transfers.labels(path, "done").inc()
             self.kv_transfer_seconds.labels(path).observe(h.seconds)

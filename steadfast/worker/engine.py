@@ -396,6 +396,7 @@ class Engine:
             return
         for r in self.sender.results():
             to, num_tokens = self._sending.pop(r.request_id, (-1, 0))
+            failed = not r.ok and r.error != "aborted"  # (an aborted one's request ended here already)
             h = Handoff(
                 to,
                 r.block_ids,
@@ -407,10 +408,13 @@ class Engine:
                 fallbacks=r.fallbacks,
                 bytes=r.bytes,
                 stream_seconds=r.stream_seconds,
-                # (An aborted transfer's request ended here: nothing for anyone to recompute.)
-                fallback="recompute" if not r.ok and r.error != "aborted" else "",
+                fallback=("recompute" if self.cfg.transfer.recompute else "error") if failed else "",
             )
-            self._pending.append(RequestOutput(r.request_id, [], index=1, handoff=h))
+            if failed and not self.cfg.transfer.recompute:
+                why = f"KV transfer to worker {to} failed on every path ({r.error}); transfer.recompute is off"
+                self._pending.append(RequestOutput(r.request_id, [], finish_reason="error", error=why, handoff=h))
+            else:
+                self._pending.append(RequestOutput(r.request_id, [], index=1, handoff=h))
 
     def _hand_off(self, request: Request, out: RequestOutput) -> None:
         """Give a prefilled request's KV to its decode worker: ownership changes in the ledger, no

@@ -438,3 +438,35 @@ def test_a_request_ending_before_its_kv_is_committed_lets_the_transfer_go(fp32_m
     finally:
         engine.sender.close()
         rx.close()
+
+
+def test_with_recompute_off_a_transfer_failing_on_every_path_ends_the_request_with_a_clear_error(
+    fp32_model, fp32_config, make_arena
+):
+    """`transfer.recompute: false`: the fallback chain is the paths alone. Nobody listens on either
+    path here, so both fail and the request ends with an error that names them, once, and the
+    worker is idle again (nothing waits on a transfer)."""
+    from steadfast.kv.transfer import KVSender
+    from steadfast.worker.engine import Engine
+    from tests.integration.server import free_port
+
+    cfg = fp32_config.replace(transfer={"recompute": False, "retries": 1, "timeout": "300ms", "backoff": "10ms"})
+    engine = Engine(cfg, fp32_model, make_arena(cfg, fp32_model))
+    engine.sender = KVSender(engine.arena.spec.num_layers, 0.3, 1, 0.01)
+    try:
+        ids = fp32_model.tokenizer.encode("A lighthouse stands on the rock. " * 4)
+        paths = [f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"]
+        engine.add_request(AddRequest("r", ids, SamplingParams(8, 0.0), decode_worker=1, kv_paths=paths))
+        outputs = []
+        deadline = time.monotonic() + 30
+        while engine.has_work and time.monotonic() < deadline:
+            outputs += engine.step()
+            time.sleep(0.01)
+        assert not engine.has_work
+        ended = [o for o in outputs if o.finish_reason is not None]
+        assert [o.finish_reason for o in ended] == ["error"]
+        assert "failed on every path" in ended[0].error and "transfer.recompute is off" in ended[0].error
+        h = ended[0].handoff
+        assert h is not None and h.fallback == "error" and h.fallbacks == 2 and h.retries == 2
+    finally:
+        engine.sender.close()
