@@ -276,6 +276,7 @@ def tokens(outs) -> list[int]:
 CROSS_CASES = [
     ("layerwise", 0, "", "primary", False),
     ("after_prefill", 2, "", "primary", False),
+    ("delayed", 0, "delay_s=0.003,path=primary", "primary", False),  # slow wire: late, not lost
     ("drop_and_corrupt", 0, "drop_every=9,corrupt_every=7,path=primary", "primary", True),
     ("primary_dead", 0, "drop_every=1,path=primary", "alternate", True),
     ("every_path_dead", 0, "corrupt_every=1,path=*", "", True),
@@ -284,9 +285,10 @@ CROSS_CASES = [
 
 def test_kv_streamed_to_another_node_gives_exact_output(tmp_path, fp32_model, make_engine, monkeypatch):
     """fp32, greedy and seeded: the same tokens as a mixed worker whatever the transfer went through:
-    streamed layer by layer or sent after the prefill; chunks dropped and corrupted (resent on the
-    same path); the primary path dead (the alternate delivers); every path dead (a clear error, and
-    the decode worker computes the prompt). Both pools check clean; no block leaked on node B."""
+    streamed layer by layer or sent after the prefill; every chunk delayed; chunks dropped and
+    corrupted (resent on the same path); the primary path dead (the alternate delivers); every path
+    dead (a clear error, and the decode worker computes the prompt). Both pools check clean; no block
+    leaked on node B."""
     cfg = config().replace(transfer={"timeout": "400ms", "retries": 6, "backoff": "10ms"})
     nodes = TwoNodes(tmp_path, cfg)
     try:
