@@ -8,7 +8,7 @@ import torch
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.model.llama import AttentionBatch, DecodeGroup, LlamaModel, PrefillChunk
+from steadfast.model.llama import AttentionBatch, DecodeGroup, LlamaModel, PrefillChunk, kv_rows
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import ScheduledStep
 
@@ -67,6 +67,7 @@ class ModelRunner:
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.device = model.device
+        self._strips = 2 * arena.spec.num_kv_heads  # K/V rows of one block in a layer
 
     def execute(
         self, step: ScheduledStep, on_layer: Callable[[int], None] | None = None
@@ -108,7 +109,7 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
             context = pos0 + n
-            chunks.append(PrefillChunk(start, n, context, self._tensor(table[: -(-context // bs)])))
+            chunks.append(PrefillChunk(start, n, context, self._rows(table[: -(-context // bs)])))
             if context == request.num_tokens:  # prompt fully computed: its last row yields a token
                 sample_rows.append(len(tokens) - 1)
                 samplers.append(request)
@@ -127,10 +128,13 @@ class ModelRunner:
     def _decode_group(self, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
         width = len(tables[0])  # the longest: rows are sorted
         # Pad each table to the group's widest with block 0: its rows are masked out below.
-        blocks = self._tensor([b for t in tables for b in (*t, *([0] * (width - len(t))))])
+        rows = self._rows([b for t in tables for b in (*t, *([0] * (width - len(t))))])
         lens = self._tensor([p + 1 for p in positions])
         pad = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) >= lens.unsqueeze(1)
-        return DecodeGroup(len(tables), blocks, pad.view(1, len(tables), 1, -1))
+        return DecodeGroup(len(tables), rows, pad.view(1, len(tables), 1, -1))
+
+    def _rows(self, block_ids: list[int]) -> torch.Tensor:
+        return self._tensor(kv_rows(block_ids, self._strips, self.arena.spec.num_blocks))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         # Built on the CPU, copied once: one small host-to-device transfer per index list.
