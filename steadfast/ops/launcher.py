@@ -235,9 +235,7 @@ class Launcher:
             path = Path(configured)
             ledger = str(path.with_name(f"{path.stem}{suffix}{path.suffix}"))
         else:
-            # Beside the arena it describes (tmpfs): it need not outlive that memory, and there its
-            # WAL checkpoints never wait on a disk (on one, they stalled steps: c=64 ~20 % slower).
-            ledger = str(Path(arena_path).with_suffix(".ledger.db"))
+            ledger = str(self.run_dir / f"ledger{suffix}.db")
             self.shared_files += [ledger, ledger + "-wal", ledger + "-shm"]
         address = f"ipc://{self.run_dir}/kvpool{suffix}"
         ready = self.run_dir / f"kvpool{suffix}.ready"
