@@ -401,6 +401,17 @@ def test_a_worker_dying_mid_transfer_loses_nothing(tmp_path, fp32_model, make_en
         nodes.stop()
 
 
+def run_until_idle(engine, timeout_s: float = 30.0) -> list:
+    """Step an in-process engine until nothing is left, transfers included; every output."""
+    outputs = []
+    deadline = time.monotonic() + timeout_s
+    while engine.has_work and time.monotonic() < deadline:
+        outputs += engine.step()
+        time.sleep(0.01)
+    assert not engine.has_work
+    return outputs
+
+
 def test_a_request_ending_before_its_kv_is_committed_lets_the_transfer_go(fp32_model, fp32_config, make_arena):
     """A request whose first token already ends it (max_tokens 1), or that is aborted mid-prompt, never
     commits: the sender gives the transfer up, the receiver frees what it took, nothing keeps the
@@ -424,16 +435,12 @@ def test_a_request_ending_before_its_kv_is_committed_lets_the_transfer_go(fp32_m
         engine.step()  # both prompts start (and stream their first layers); neither is done
         assert engine.requests["cut"].num_computed < len(ids)
         engine.abort("cut")
-        outputs = []
-        deadline = time.monotonic() + 30
-        while engine.has_work and time.monotonic() < deadline:
-            outputs += engine.step()
-            time.sleep(0.01)
-        assert not engine.has_work
+        outputs = run_until_idle(engine)
         assert [o.finish_reason for o in outputs if o.request_id == "one" and o.token_ids] == ["length"]
         aborted = {o.request_id: o.handoff for o in outputs if o.handoff is not None}
         assert set(aborted) == {"one", "cut"}
         assert all(h.error == "aborted" and h.fallback == "" for h in aborted.values())
+        deadline = time.monotonic() + 30
         while len(pool.free) < other.spec.num_blocks and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(pool.free) == other.spec.num_blocks  # the receiver gave back what it took
@@ -459,12 +466,7 @@ def test_with_recompute_off_a_transfer_failing_on_every_path_ends_the_request_wi
         ids = fp32_model.tokenizer.encode("A lighthouse stands on the rock. " * 4)
         paths = [f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"]
         engine.add_request(AddRequest("r", ids, SamplingParams(8, 0.0), decode_worker=1, kv_paths=paths))
-        outputs = []
-        deadline = time.monotonic() + 30
-        while engine.has_work and time.monotonic() < deadline:
-            outputs += engine.step()
-            time.sleep(0.01)
-        assert not engine.has_work
+        outputs = run_until_idle(engine)
         ended = [o for o in outputs if o.finish_reason is not None]
         assert [o.finish_reason for o in ended] == ["error"]
         assert "failed on every path" in ended[0].error and "transfer.recompute is off" in ended[0].error
