@@ -297,6 +297,8 @@ class KVSender:
                     rid, addresses, num_tokens = args
                     self._out[rid] = _Outgoing(rid, addresses, num_tokens)
                     self.faults = self.fault_source()
+                    if self.faults is not None:  # a drill: say so, so nobody mistakes it for a real fault
+                        log.warning("KV transfer of %s: fault switch armed: %s", rid, self.faults)
                 elif kind == "layer":
                     self._layer(*args)
                 elif kind == "commit":

@@ -321,6 +321,13 @@ def test_kv_streamed_to_another_node_gives_exact_output(tmp_path, fp32_model, ma
                 else:  # computed there (less what its prefix cache held: the shared system prompt)
                     want = ("rebuild", 0, len(r.prompt_ids) + 1 - first.num_cached_tokens)
                 assert (first.route, first.adopted_tokens, first.recomputed_tokens) == want, (rid, first)
+        # The switch was read for each faulty case's transfers (the drop/corrupt resends and the
+        # dead paths show their effect above; a delay shows nowhere else).
+        logs = (nodes.a.log_text("worker0") + nodes.a.log_text("worker2")).splitlines()
+        for case, _, faults, _, _ in CROSS_CASES:
+            armed = [line for line in logs if f"KV transfer of {case}-" in line and "fault switch armed" in line]
+            assert len(armed) == (4 if faults else 0), (case, armed)
+        assert all("delay_s=0.003" in line for line in logs if "KV transfer of delayed-" in line)
         for node in (nodes.a, nodes.b):
             assert check_node(node.ledger(), node.arena()) == []
         # No block leaked on node B: once the decode worker stops cleanly, its pool has every block back.
