@@ -99,8 +99,7 @@ class Launcher:
         if cfg.fault_recovery.kv_cache.external_ledger:
             # One arena per node, owned by its kvpool daemon, which grants blocks to the node's workers.
             for i in range(2 if srv.decode_node == "separate" else 1):
-                suffix = "" if i == 0 else f"-node{i}"
-                self._start_pool(i, cfg_json, spec, str(Path(cfg.cache.arena_dir) / f"{tag}{suffix}.kv"))
+                self._start_pool(i, cfg_json, spec, tag)
         self._cfg_json, self._output, self._tag, self._spec = cfg_json, output, tag, spec
         last = max(len(self.nodes) - 1, 0)  # decode workers' node: the second when separate
         placed = [("mixed", 0)] * srv.workers + [("prefill", 0)] * srv.prefill_workers
@@ -223,14 +222,10 @@ class Launcher:
             started.append(self.children[-1])
         return started
 
-    @property
-    def pool_address(self) -> str:
-        """The first node's pool (the only one unless decode workers have a node of their own)."""
-        return self.nodes[0].address
-
-    def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec, arena_path: str) -> None:
+    def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec, tag: str) -> None:
         configured = self.cfg.fault_recovery.kv_cache.ledger_path
         suffix = "" if index == 0 else f"-node{index}"
+        arena_path = str(Path(self.cfg.cache.arena_dir) / f"{tag}{suffix}.kv")
         if configured:
             path = Path(configured)
             ledger = str(path.with_name(f"{path.stem}{suffix}{path.suffix}"))
