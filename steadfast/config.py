@@ -55,6 +55,9 @@ class ModelConfig:
     served_name: str = ""
     # "auto": the first CUDA device when there is one, else the CPU. The KV arena lives there too.
     device: str = "auto"
+    # Decode attention: "auto" reads K/V in place with the C kernel where it runs (CPU with AVX-512 and a
+    # C compiler), else gathers it with torch ops; "torch" always gathers (same results, slower).
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,6 +66,8 @@ class ModelConfig:
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_model_len < 0:
             raise ConfigError("model.max_model_len must be >= 0")
+        if self.decode_attention not in ("auto", "torch"):
+            raise ConfigError(f"model.decode_attention must be auto or torch, got {self.decode_attention!r}")
 
     @property
     def resolved_path(self) -> str:
@@ -422,3 +427,11 @@ def torch_threads() -> int:
     """Threads for intra-op parallelism in a worker: STEADFAST_THREADS, else all cores."""
     value = os.environ.get("STEADFAST_THREADS")
     return int(value) if value else (os.cpu_count() or 1)
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels are kept: STEADFAST_KERNEL_DIR, else the user's cache directory."""
+    value = os.environ.get("STEADFAST_KERNEL_DIR")
+    if value:
+        return Path(value)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steadfast" / "kernels"

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from steadfast.kv.arena import KVArena
 from steadfast.model.gguf_loader import LlamaConfig
+from steadfast.model.paged_attention import PagedAttention
 
 
 class Linear:
@@ -68,17 +69,34 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecodes:
+    """Decode tokens the kernel attends in place: no gather, no padding."""
+
+    count: int  # requests (one token each), the first rows of the flat batch
+    tables: torch.Tensor  # int32 [count, max_blocks] block tables (entries past a context are not read)
+    lens: torch.Tensor  # int32 [count] tokens attended, the new one included
+
+
+@dataclass
 class AttentionBatch:
     """Where each new token's KV goes and what each token attends to."""
 
     slots: torch.Tensor  # [tokens] block * block_size + offset of each new token's KV
-    decodes: list[DecodeGroup]  # the first tokens of the batch, group after group
+    decodes: list[DecodeGroup] | PagedDecodes  # the first tokens of the batch, group after group
     prefills: list[PrefillChunk]
 
 
 class LlamaModel:
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        max_positions: int,
+        paged: PagedAttention | None = None,
+    ):
         self.cfg = cfg
+        self.paged = paged  # decode attention in place (the runner then builds PagedDecodes)
         self.dtype = dtype
         self.device = weights["token_embd.weight"].device
         self.embed = weights["token_embd.weight"]
@@ -191,7 +209,13 @@ class LlamaModel:
         group = cfg.group_size
         parts = []
         start = 0
-        for g in batch.decodes:
+        if isinstance(batch.decodes, PagedDecodes):
+            assert self.paged is not None
+            start = batch.decodes.count
+            out = torch.empty(start, cfg.num_heads * dim, dtype=q.dtype, device=q.device)
+            self.paged(q[:start], kv_cache, batch.decodes.tables, batch.decodes.lens, out)
+            parts.append(out)
+        for g in batch.decodes if isinstance(batch.decodes, list) else ():
             nd = g.count
             # K and V of every request in one gather: [2, kv_heads, reqs, ctx, dim]
             kv = self._gather(kv_cache, g.rows).view(2, kv_heads, nd, -1, dim)

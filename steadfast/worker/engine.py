@@ -14,6 +14,7 @@ from steadfast.kv.arena import TORCH_DTYPES, ArenaSpec, KVArena
 from steadfast.kv.block_manager import BlockManager, BlockSource
 from steadfast.kv.ledger import LedgerError, ReceiverGoneError
 from steadfast.kv.transfer import KVReceiver, KVSender, layer_span, slots_for
+from steadfast.model import paged_attention
 from steadfast.model.gguf_loader import LlamaConfig, load_weights, open_gguf, read_config
 from steadfast.model.llama import LlamaModel
 from steadfast.model.tokenizer import GGUFTokenizer
@@ -65,11 +66,23 @@ def load_model(cfg: Config) -> LoadedModel:
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
     limit = max_model_len(cfg, model_cfg)
-    weights = load_weights(reader, model_cfg, TORCH_DTYPES[cfg.model.dtype])
+    dtype = TORCH_DTYPES[cfg.model.dtype]
+    weights = load_weights(reader, model_cfg, dtype)
     device = cfg.model.resolved_device
     if device != "cpu":
         weights = {name: w.to(device) for name, w in weights.items()}
-    model = LlamaModel(model_cfg, weights, TORCH_DTYPES[cfg.model.dtype], max_positions=limit)
+    paged = None
+    if cfg.model.decode_attention == "auto" and paged_attention.supports(
+        dtype,
+        device,
+        model_cfg.num_heads,
+        model_cfg.num_kv_heads,
+        model_cfg.head_dim,
+        cfg.cache.block_size,
+    ):
+        paged = paged_attention.load()
+    log.info("decode attention: %s", "in-place kernel" if paged is not None else "torch gather")
+    model = LlamaModel(model_cfg, weights, dtype, max_positions=limit, paged=paged)
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
 
 

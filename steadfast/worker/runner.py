@@ -8,7 +8,7 @@ import torch
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.model.llama import AttentionBatch, DecodeGroup, LlamaModel, PrefillChunk, kv_rows
+from steadfast.model.llama import AttentionBatch, DecodeGroup, LlamaModel, PagedDecodes, PrefillChunk, kv_rows
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import ScheduledStep
 
@@ -93,11 +93,14 @@ class ModelRunner:
             tables.append(table[: pos // bs + 1])
             sample_rows.append(len(tokens) - 1)
             samplers.append(request)
-        groups = []
-        first = 0
-        for count in split_by_width([len(t) for t in tables], self.max_groups):
-            groups.append(self._decode_group(tables[first : first + count], positions[first : first + count]))
-            first += count
+        groups: list[DecodeGroup] | PagedDecodes = []
+        if self.model.paged is not None and tables:
+            groups = self._paged(tables, positions)
+        else:
+            first = 0
+            for count in split_by_width([len(t) for t in tables], self.max_groups):
+                groups.append(self._decode_group(tables[first : first + count], positions[first : first + count]))
+                first += count
 
         chunks = []
         for request, n in step.prefills:
@@ -132,6 +135,15 @@ class ModelRunner:
         lens = self._tensor([p + 1 for p in positions])
         pad = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) >= lens.unsqueeze(1)
         return DecodeGroup(len(tables), rows, pad.view(1, len(tables), 1, -1))
+
+    def _paged(self, tables: list[list[int]], positions: list[int]) -> PagedDecodes:
+        width = len(tables[0])  # the longest: rows are sorted
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return PagedDecodes(
+            len(tables),
+            torch.tensor(padded, dtype=torch.int32).to(self.device),
+            torch.tensor([p + 1 for p in positions], dtype=torch.int32).to(self.device),
+        )
 
     def _rows(self, block_ids: list[int]) -> torch.Tensor:
         return self._tensor(kv_rows(block_ids, self._strips, self.arena.spec.num_blocks))

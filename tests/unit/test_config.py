@@ -31,6 +31,7 @@ def test_defaults_and_yaml_with_overrides(tmp_path):
         ("server: {port: 70000}\n", "server.port"),
         ("model: {device: tpu}\n", "model.device"),
         ("server: {prefill_workers: 1}\n", "go together"),
+        ("model: {decode_attention: fast}\n", "model.decode_attention must be auto or torch"),
         ("server: {decode_node: remote}\n", "server.decode_node must be same or separate"),
         ("server: {decode_node: separate}\n", "separate needs decode_workers"),
         ("- a list\n", "mapping"),
