@@ -1,17 +1,21 @@
-"""Decode attention grouped by context length vs one padded group, in-process, same run.
+"""Decode step by attention path, in-process, same run: torch's gather with one padded group or with
+groups by context length, and the in-place kernel.
 
-A batch of requests with spread-out contexts decodes; each step's decode attention pads every request's
-KV to the longest context of its group. With one group (the old way) short contexts pay for long ones;
-with `decode_attention_groups: 4` requests sorted by length are cut into up to 4 groups (see
-`runner.split_by_width`). Both engines run the same requests, rounds interleaved; the figure is the
-median decode step time.
+A batch of requests with spread-out contexts decodes. On the torch path each step's decode attention
+pads every request's KV to the longest context of its group: with one group (the old way) short
+contexts pay for long ones; with `decode_attention_groups: 4` requests sorted by length are cut into up
+to 4 groups (see `runner.split_by_width`). The kernel (`model.decode_attention: auto`) reads each
+request's blocks in place, no gather, no padding. Every engine runs the same requests, rounds
+interleaved; the figure is the median decode step time.
 
-    python benchmarks/bench_decode_groups.py --batch 64 --min-context 32 --max-context 1024
+    python benchmarks/bench_decode_groups.py --batch 64 --min-context 32 --max-context 1024 --kernel
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -54,7 +58,8 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--groups", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--groups", type=int, nargs="+", default=[1, 4], help="torch path, these group counts")
+    p.add_argument("--kernel", action="store_true", help="also the in-place kernel")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_groups.json"))
     args = p.parse_args()
@@ -63,31 +68,39 @@ def main() -> None:
         cache={"kv_memory_mb": 2048},
         scheduler={"max_num_batched_tokens": 2048, "max_prefill_chunk": 2048},
     )
-    loaded = load_model(base)
+    kernel = load_model(base)
+    if args.kernel and kernel.model.paged is None:
+        raise SystemExit("the in-place kernel does not run here (no AVX-512 or no C compiler)")
+    # The torch path: the same weights, no kernel.
+    torch_path = dataclasses.replace(kernel, model=copy.copy(kernel.model))
+    torch_path.model.paged = None
+    variants = {f"groups={g}": (torch_path, g) for g in args.groups}
+    if args.kernel:
+        variants["kernel"] = (kernel, 1)
     engines = {}
     tmp = tempfile.mkdtemp(prefix="bench-groups-")
-    for g in args.groups:
+    for i, (label, (loaded, g)) in enumerate(variants.items()):
         cfg = base.replace(scheduler={"decode_attention_groups": g})
-        engines[g] = Engine(cfg, loaded, private_arena(cfg, loaded.model_cfg, f"/dev/shm/{Path(tmp).name}-{g}.kv"))
-    medians: dict[int, list[float]] = {g: [] for g in args.groups}
+        engines[label] = Engine(cfg, loaded, private_arena(cfg, loaded.model_cfg, f"/dev/shm/{Path(tmp).name}-{i}.kv"))
+    medians: dict[str, list[float]] = {label: [] for label in engines}
     try:
         for _ in range(args.rounds):
-            for g, engine in engines.items():
+            for label, engine in engines.items():
                 times = run(engine, args.batch, args.min_context, args.max_context, args.steps)
-                medians[g].append(statistics.median(times))
+                medians[label].append(statistics.median(times))
     finally:
         for e in engines.values():
             e.arena.unlink()
     report = {
         **run_info(args),
-        "decode_step_ms_median_per_round": {g: [1000 * m for m in ms] for g, ms in medians.items()},
+        "decode_step_ms_median_per_round": {label: [1000 * m for m in ms] for label, ms in medians.items()},
     }
     Path(args.out).write_text(json.dumps(report, indent=2))
-    first = args.groups[0]
-    for g, ms in medians.items():
+    first = next(iter(medians))
+    for label, ms in medians.items():
         best = 1000 * statistics.median(ms)
         ratio = statistics.median(medians[first]) / statistics.median(ms)
-        print(f"groups={g}: decode step {best:.1f} ms (median of {args.rounds} round medians), {ratio:.2f}x vs {first}")
+        print(f"{label}: decode step {best:.1f} ms (median of {args.rounds} round medians), {ratio:.2f}x vs {first}")
 
 
 if __name__ == "__main__":

@@ -41,26 +41,34 @@ def _cpu_flags() -> str:
 
 def _build() -> Path | None:
     """The kernel's shared library for this machine, compiled unless already cached."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler: decode attention stays on the torch path")
+        log.warning("no C compiler: decode attention stays on the torch path")
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), _cpu_flags()]).encode())
-    target = kernel_cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if target.exists():
+    name = f"paged_attention-{key.hexdigest()[:16]}.so"
+    # The user's cache first; a private temporary directory where that cannot be written.
+    for folder in (kernel_cache_dir(), Path(tempfile.gettempdir()) / f"steadfast-kernels-{os.getuid()}"):
+        target = folder / name
+        if target.exists():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            # Compiled under a private name, then renamed: processes starting together never load half a file.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        except OSError:
+            continue
+        os.close(fd)
+        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            log.warning("paged-attention kernel did not compile; decode attention stays on torch:\n%s", done.stderr)
+            return None
+        os.replace(tmp, target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compiled under a private name, then renamed: processes starting together never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        log.warning("paged-attention kernel did not compile; decode attention stays on torch:\n%s", done.stderr)
-        return None
-    os.replace(tmp, target)
-    return target
+    log.warning("nowhere to write the paged-attention kernel; decode attention stays on the torch path")
+    return None
 
 
 class PagedAttention:
