@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,22 @@ import torch
 from steadfast.config import Config, default_model_path
 from steadfast.kv.arena import KVArena
 from steadfast.worker.engine import Engine, LoadedModel, arena_spec, load_model
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, pause: Callable[[], object] | None = None):
+    """Poll until `predicate()` is truthy and return its value; fail naming `what` after `timeout` seconds.
+    `pause` runs between polls (by default a 50 ms sleep; a test may drain a worker's outputs instead)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if pause is not None:
+            pause()
+        else:
+            time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
 
 # Eight chat prompts of different lengths and kinds (the correctness set).
 PROMPTS = [

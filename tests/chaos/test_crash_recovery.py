@@ -13,14 +13,13 @@ import os
 import random
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from steadfast.kv.pool import process_gone
 from steadfast.protocol import AddRequest, SamplingParams
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import ServerProcess
 
 pytestmark = pytest.mark.chaos
@@ -105,16 +104,6 @@ class Stream(threading.Thread):
 
 def admin(server: ServerProcess, what: str) -> list[dict]:
     return httpx.get(f"{server.url}/admin/{what}", timeout=10).json()
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_killed_workers_streams_resume_token_exactly(tmp_path, fp32_model, make_engine, fp32_config):

@@ -20,6 +20,7 @@ from steadfast.kv.ledger import BlockState, LeaseState
 from steadfast.kv.pool import process_gone
 from steadfast.protocol import AddRequest, SamplingParams
 from tests.chaos.node import Node, tokens_of
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.chaos
 
@@ -43,17 +44,9 @@ def prompt(model_path):
     return GGUFTokenizer.from_gguf(model_path).encode_chat([{"role": "user", "content": "Tell me about Rome."}])
 
 
-def wait_for(predicate, timeout: float, what: str, node: Node | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if node is not None:
-            node.outputs(timeout=0.05)  # keep draining the worker's outputs meanwhile
-        else:
-            time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+def draining(node: Node):
+    """Between polls, keep draining the worker's outputs."""
+    return lambda: node.outputs(timeout=0.05)
 
 
 def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt):
@@ -69,11 +62,11 @@ def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt):
 
         os.kill(worker.pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        fenced = wait_for(
+        fenced = wait_until(
             lambda: (lease := ledger.lease("worker0")).state == LeaseState.FENCED and lease,
             10,
             "the pool to fence the stopped worker",
-            node,
+            draining(node),
         )
         assert fenced.epoch > epoch and not process_gone(worker.pid)  # fenced, yet its process still exists
         # Nothing of the stopped worker is reassigned while its process lives (invariant 2).
@@ -90,7 +83,7 @@ def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt):
         cur = sqlite3.connect(node.ledger_path).execute("SELECT MAX(updated) FROM requests").fetchone()[0]
         assert cur <= stopped  # no checkpoint accepted after the stop
         # Once the process is gone the pool reclaims: partial blocks quarantined, sealed ones kept ownerless.
-        wait_for(lambda: not any(b.owner == "worker0" for b in ledger.blocks()), 10, "reclaim")
+        wait_until(lambda: not any(b.owner == "worker0" for b in ledger.blocks()), 10, "reclaim")
         states = {b.state for b in ledger.blocks()}
         assert BlockState.QUARANTINED in states
         assert check_node(ledger, node.arena()) == []
@@ -108,8 +101,11 @@ def test_worker_killed_inside_a_checkpoint_transaction_leaves_a_consistent_ledge
         ids = [f"r{i}" for i in range(4)]
         for i, rid in enumerate(ids):
             node.send(0, AddRequest(rid, prompt + [17 + i], GREEDY))
-        marker = wait_for(
-            lambda: list(node.failpoint_dir.glob("checkpoint_commit.*")), 120, "the worker to reach the failpoint", node
+        marker = wait_until(
+            lambda: list(node.failpoint_dir.glob("checkpoint_commit.*")),
+            120,
+            "the worker to reach the failpoint",
+            draining(node),
         )
         assert marker[0].name == f"checkpoint_commit.{worker.pid}"
         worker.kill()
@@ -127,7 +123,7 @@ def test_worker_killed_inside_a_checkpoint_transaction_leaves_a_consistent_ledge
             saved = ledger.request(rid).generated_ids
             assert saved and saved == tokens_of(node.received, rid)[: len(saved)]
         assert check_node(ledger, node.arena()) == []
-        wait_for(lambda: not any(b.owner == "worker0" for b in ledger.blocks()), 15, "fence and reclaim")
+        wait_until(lambda: not any(b.owner == "worker0" for b in ledger.blocks()), 15, "fence and reclaim")
         assert ledger.lease("worker0").state == LeaseState.FENCED
         assert check_node(ledger, node.arena()) == []
         ledger.close()

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from steadfast.kv.pool import process_gone
-from tests.chaos.test_crash_recovery import MAX_TOKENS, chat_body, reference, request_specs, wait_until
+from tests.chaos.test_crash_recovery import MAX_TOKENS, chat_body, reference, request_specs
 from tests.chaos.test_serve_faults import children_named
+from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
 
 pytestmark = pytest.mark.chaos
