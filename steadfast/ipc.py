@@ -11,7 +11,7 @@ import sys
 import msgspec
 import zmq
 
-from steadfast import protocol
+from steadfast import env, protocol
 
 _PR_SET_PDEATHSIG = 1
 
@@ -29,7 +29,7 @@ def die_with_parent() -> None:
 
 def setup_logging(name: str) -> None:
     logging.basicConfig(
-        level=os.environ.get("STEADFAST_LOG_LEVEL", "INFO").upper(),
+        level=env.log_level(),
         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
 

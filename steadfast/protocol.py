@@ -6,9 +6,49 @@ router (on the same socket as workers' outputs): WorkerDied, WorkerJoined.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+
+
+class WorkerRole(enum.StrEnum):
+    MIXED = "mixed"  # serves a request start to end
+    PREFILL = "prefill"  # computes prompts and hands their KV to a decode worker
+    DECODE = "decode"  # continues requests whose prompt a prefill worker computed
+    STANDBY = "standby"  # loaded and idle: takes over a dead worker's requests, or its role
+
+
+class WorkerState(enum.StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Route(enum.StrEnum):
+    """How a request came to a worker that did not start it, reported with its first output there."""
+
+    NONE = ""
+    LEDGER_FIRST = "ledger_first"  # a dead worker's sealed blocks adopted, the tail recomputed
+    REBUILD = "rebuild"  # prompt and delivered tokens computed again
+    HANDOFF = "handoff"  # KV handed over in the ledger by a prefill worker of this node
+    TRANSFER = "transfer"  # KV streamed from a prefill worker of another node
+
+
+class Fallback(enum.StrEnum):
+    """What follows a KV transfer that failed on every path."""
+
+    NONE = ""
+    RECOMPUTE = "recompute"  # the decode worker computes the prompt itself
+    ERROR = "error"  # the request ends with an error (transfer.recompute is off)
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -57,7 +97,7 @@ class Handoff(msgspec.Struct, array_like=True, omit_defaults=True):
     retries: int = 0
     fallbacks: int = 0
     bytes: int = 0
-    fallback: str = ""
+    fallback: Fallback = Fallback.NONE
     stream_seconds: float = 0.0  # first chunk sent → acknowledged (layer-wise: paced by the prefill)
 
 
@@ -83,20 +123,20 @@ class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
 class Promote(msgspec.Struct, tag="promote", array_like=True):
     """A standby now takes traffic: it reports the new role, so a restarted router knows it too."""
 
-    role: str = "mixed"
+    role: WorkerRole = WorkerRole.MIXED
 
 
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     token_ids: list[int]
     text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
     index: int = 0  # position in the request's output of this output's first token
     # On a taken-over request's first output: how it was recovered and what that cost.
-    route: str = ""  # "ledger_first" | "rebuild"
+    route: Route = Route.NONE
     adopted_tokens: int = 0  # tokens whose KV was adopted from the dead worker's sealed blocks
     recomputed_tokens: int = 0  # tokens whose KV had to be computed again
     handoff: Handoff | None = None  # from a prefill worker, with the first token: where the KV went
@@ -110,8 +150,8 @@ class StepOutputs(msgspec.Struct, tag="out", array_like=True):
 class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=True):
     worker_id: int
     pid: int
-    role: str
-    state: str  # "loading" | "ready" | "stopping"
+    role: WorkerRole
+    state: WorkerState
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     num_running: int = 0
@@ -136,7 +176,7 @@ class WorkerJoined(msgspec.Struct, tag="joined", array_like=True):
 
     worker_id: int
     address: str
-    role: str  # "mixed" | "standby"
+    role: WorkerRole
 
 
 ToWorker = AddRequest | AbortRequest | Promote
@@ -212,7 +252,7 @@ class PoolReply(msgspec.Struct, array_like=True, omit_defaults=True):
     epoch: int = 0
     block_ids: list[int] = []
     arena_path: str = ""  # a file arena; empty when the arena is device memory (see cuda_ipc)
-    ledger_path: str = ""
+    ledger_url: str = ""  # the node's ledger (see steadfast.kv.ledger_url)
     error: str = ""
     fenced: bool = False
     cuda_ipc: CudaIpcHandle | None = None

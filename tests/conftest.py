@@ -13,7 +13,8 @@ import torch
 
 from steadfast.config import Config, default_model_path
 from steadfast.kv.arena import KVArena
-from steadfast.worker.engine import Engine, LoadedModel, arena_spec, load_model
+from steadfast.kv.spec import arena_spec
+from steadfast.worker.engine import Engine, LoadedModel, load_model
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, pause: Callable[[], object] | None = None):

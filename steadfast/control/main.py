@@ -11,18 +11,19 @@ import os
 import uvicorn
 
 from steadfast.config import config_from_dict
-from steadfast.control.api import ServingContext, create_app
+from steadfast.control.api import create_app
 from steadfast.control.engine_client import EngineClient
 from steadfast.control.metrics import Metrics
+from steadfast.control.serving import ServingContext
 from steadfast.ipc import die_with_parent, setup_logging
-from steadfast.model.gguf_loader import open_gguf, read_config
+from steadfast.model.gguf_meta import max_model_len, open_gguf, read_config
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.worker.engine import max_model_len
+from steadfast.protocol import WorkerRole
 
 log = logging.getLogger("steadfast.router")
 
 
-async def serve(cfg_json: str, workers: list[tuple[int, str, str]], output: str, ledgers: list[str]) -> None:
+async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], output: str, ledger_urls: list[str]) -> None:
     cfg = config_from_dict(json.loads(cfg_json))
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
@@ -32,7 +33,7 @@ async def serve(cfg_json: str, workers: list[tuple[int, str, str]], output: str,
         cfg.server.status_interval_s,
         cfg.fault_recovery.takeover,
         cfg.fault_recovery.request.idempotency_window,
-        ledgers,
+        ledger_urls,
         cfg.scheduler.max_num_seqs,
     )
     await client.start()
@@ -62,7 +63,9 @@ def main() -> None:
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--worker", action="append", required=True, help="ID=ADDRESS of a worker taking traffic")
     parser.add_argument("--standby", action="append", default=[], help="ID=ADDRESS of a standby (repeat)")
-    parser.add_argument("--ledger", action="append", default=[], help="a node's ledger, to resume after a restart")
+    parser.add_argument(
+        "--ledger", action="append", default=[], help="a node's ledger URL, to resume requests after a restart"
+    )
     parser.add_argument("--output", required=True, help="address to bind for worker outputs")
     args = parser.parse_args()
     die_with_parent()
@@ -70,7 +73,8 @@ def main() -> None:
     nice = config_from_dict(json.loads(args.config_json)).server.router_nice
     if nice:
         os.nice(nice)
-    workers = [(*_worker(a), "mixed") for a in args.worker] + [(*_worker(a), "standby") for a in args.standby]
+    workers = [(*_worker(a), WorkerRole.MIXED) for a in args.worker]
+    workers += [(*_worker(a), WorkerRole.STANDBY) for a in args.standby]
     asyncio.run(serve(args.config_json, workers, args.output, args.ledger))
 
 

@@ -21,52 +21,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import xxhash
 
+from steadfast.kv.spec import ArenaSpec
 from steadfast.protocol import CudaIpcHandle
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class ArenaSpec:
-    num_blocks: int
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
-
-    @property
-    def block_numel(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_numel * torch.tensor([], dtype=self.torch_dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return self.block_bytes * self.num_blocks
-
-    @classmethod
-    def for_memory(
-        cls, memory_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
-    ) -> ArenaSpec:
-        one = cls(1, num_layers, block_size, num_kv_heads, head_dim, dtype)
-        return cls(max(1, memory_bytes // one.block_bytes), num_layers, block_size, num_kv_heads, head_dim, dtype)
+def torch_dtype(spec: ArenaSpec) -> torch.dtype:
+    return TORCH_DTYPES[spec.dtype]
 
 
 def _spec_path(path: str) -> Path:
@@ -90,7 +58,7 @@ class KVArena:
     @classmethod
     def create_device(cls, spec: ArenaSpec, device: str | torch.device) -> KVArena:
         """A device-memory arena. Zeroed, so that a block's digest is defined before anyone writes it."""
-        return cls("", spec, torch.zeros(spec.shape, dtype=spec.torch_dtype, device=device))
+        return cls("", spec, torch.zeros(spec.shape, dtype=torch_dtype(spec), device=device))
 
     def export_ipc(self) -> CudaIpcHandle:
         """A handle another process opens with `attach_ipc` to map this CUDA arena (no copy).
@@ -128,7 +96,7 @@ class KVArena:
             h.event_handle or None,
             h.event_sync_required,
         )
-        tensor = torch.empty((0,), dtype=spec.torch_dtype, device=f"cuda:{h.device}")
+        tensor = torch.empty((0,), dtype=torch_dtype(spec), device=f"cuda:{h.device}")
         tensor.set_(storage, 0, spec.shape)
         return cls("", spec, tensor)
 
@@ -153,7 +121,7 @@ class KVArena:
     @classmethod
     def _map(cls, path: str, spec: ArenaSpec) -> KVArena:
         numel = spec.block_numel * spec.num_blocks
-        flat = torch.from_file(path, shared=True, size=numel, dtype=spec.torch_dtype)
+        flat = torch.from_file(path, shared=True, size=numel, dtype=torch_dtype(spec))
         return cls(path, spec, flat.view(spec.shape))
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
 """The KV ledger: what every block holds and who may write it, outside any engine process.
 
-One interface, backends behind it (embedded SQLite here; etcd later). The ledger records blocks
-(state, owner, epoch, refcount, chained content hash, tier), request checkpoints and worker leases.
+One interface, backends behind it (embedded SQLite here; etcd later), opened by URL with
+`steadfast.kv.ledger_url.open_ledger`. The ledger records blocks (state, owner, epoch, refcount,
+chained content hash, tier), request checkpoints and worker leases. A backend raises only this
+module's errors, never its driver's, and one ledger object may be used from several threads.
 Every write names the writer's lease epoch and is refused (`FencedError`) unless that epoch is the
 worker's current one and its lease has not expired: a worker that was fenced cannot write its way back.
 
@@ -47,6 +49,20 @@ class ReceiverGoneError(LedgerError):
 
 class LeaseHeldError(LedgerError):
     """Another live process already holds this worker's lease."""
+
+
+class LedgerUnavailableError(LedgerError):
+    """The store itself failed the operation (busy or locked past its timeout, unreadable, closed):
+    its transaction did not commit, and a caller may try again later. Backends raise this instead
+    of their driver's own errors, so no caller needs to know which store is behind the interface."""
+
+
+class LedgerUrlError(LedgerError):
+    """A ledger URL that names no store this build can open: malformed, or of an unknown scheme."""
+
+
+class BackendNotAvailableError(LedgerUrlError):
+    """A ledger URL of a known backend that this build does not provide yet (etcd)."""
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from steadfast import protocol
 from steadfast.config import Config, config_from_dict
 from steadfast.ipc import die_with_parent, setup_logging
 from steadfast.kv.arena import ArenaSpec, KVArena
-from steadfast.kv.ledger import LeaseState, LedgerError
-from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.kv.ledger import FencedError, LeaseState, LedgerError, LedgerUnavailableError
+from steadfast.kv.ledger_url import open_ledger
 from steadfast.protocol import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolReply, ToPool
 
 log = logging.getLogger("steadfast.kvpool")
@@ -46,11 +46,11 @@ def process_gone(pid: int) -> bool:
 
 
 class KVPool:
-    def __init__(self, cfg: Config, arena_path: str, ledger_path: str, spec: ArenaSpec, device: str = "cpu") -> None:
+    def __init__(self, cfg: Config, arena_path: str, ledger_url: str, spec: ArenaSpec, device: str = "cpu") -> None:
         self.cfg = cfg
         self.ttl_s = cfg.fault_recovery.lease.lease_timeout_ms / 1000
-        self.ledger_path = ledger_path
-        self.ledger = SqliteLedger(ledger_path)
+        self.ledger_url = ledger_url
+        self.ledger = open_ledger(ledger_url)
         if device != "cpu":
             # Device memory dies with its process: a restarted daemon starts a new arena, and whatever
             # the ledger says of the old one's blocks is void.
@@ -78,9 +78,10 @@ class KVPool:
                 return PoolReply(True, msg.epoch, self.ledger.grant(msg.worker, msg.epoch, msg.count))
             self.ledger.free(msg.worker, msg.epoch, msg.block_ids)
             return PoolReply(True, msg.epoch)
+        except LedgerUnavailableError:
+            raise  # the store failed, not the request: the daemon exits and is restarted; workers retry
         except LedgerError as exc:
-            fenced = type(exc).__name__ == "FencedError"
-            return PoolReply(False, error=str(exc), fenced=fenced)
+            return PoolReply(False, error=str(exc), fenced=isinstance(exc, FencedError))
 
     def _register(self, msg: PoolRegister) -> PoolReply:
         old = self.ledger.lease(msg.worker)
@@ -117,7 +118,7 @@ class KVPool:
 
     def _where(self, reply: PoolReply) -> PoolReply:
         reply.arena_path = self.arena.path
-        reply.ledger_path = self.ledger_path
+        reply.ledger_url = self.ledger_url
         if self.arena.device.type == "cuda":
             # A device arena travels as an IPC handle, one per importer (torch counts each of them).
             reply.cuda_ipc = self.arena.export_ipc()
@@ -151,7 +152,7 @@ def main() -> None:
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--address", required=True, help="ZeroMQ address to bind for workers")
     parser.add_argument("--arena", required=True)
-    parser.add_argument("--ledger", required=True)
+    parser.add_argument("--ledger", required=True, help="the ledger's URL (sqlite:///path/to/ledger.db)")
     parser.add_argument("--spec-json", required=True, help="arena spec, used when creating it")
     parser.add_argument("--ready-file", help="written once the pool serves")
     parser.add_argument("--device", default="cpu", help="cpu: a /dev/shm file arena; cuda[:N]: device memory")

@@ -9,7 +9,6 @@ again (it cannot renew its way back after being fenced).
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 import time
 
@@ -18,7 +17,7 @@ import zmq
 from steadfast import protocol
 from steadfast.kv.arena import KVArena
 from steadfast.kv.ledger import FencedError, LedgerError
-from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.kv.ledger_url import open_ledger
 from steadfast.protocol import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolRelease, PoolReply, ToPool
 
 log = logging.getLogger(__name__)
@@ -96,8 +95,8 @@ def map_arena(reply: PoolReply) -> KVArena:
 class LeaseKeeper:
     """Renews (worker, epoch) every `renew_s` on its own ledger connection."""
 
-    def __init__(self, ledger_path: str, worker: str, epoch: int, renew_s: float, ttl_s: float) -> None:
-        self.ledger = SqliteLedger(ledger_path)
+    def __init__(self, ledger_url: str, worker: str, epoch: int, renew_s: float, ttl_s: float) -> None:
+        self.ledger = open_ledger(ledger_url)
         self.worker = worker
         self.epoch = epoch
         self.renew_s = renew_s
@@ -135,7 +134,7 @@ class LeaseKeeper:
             except LeaseLostError:
                 log.error("lease of %s (epoch %d) lost: %s", self.worker, self.epoch, self.lost)
                 return
-            except (LedgerError, sqlite3.Error) as exc:  # e.g. the database busy too long: try next tick
+            except LedgerError as exc:  # e.g. the store busy too long (LedgerUnavailableError): try next tick
                 log.warning("lease renewal failed: %s", exc)
 
     def stop(self) -> None:

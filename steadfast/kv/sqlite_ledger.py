@@ -2,19 +2,23 @@
 
 Each operation is one `BEGIN IMMEDIATE` transaction: the epoch check and the write it guards commit
 together or not at all, so a writer killed mid-transaction leaves the previous consistent state.
+Nothing outside this module sees sqlite3: its errors leave as `LedgerUnavailableError`. One object may
+serve several threads (lease keeper, engine, KV receiver): a lock keeps one thread's transaction, or
+read, on the shared connection at a time.
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from steadfast.config import failpoint, failpoint_dir
+from steadfast.env import failpoint, failpoint_dir
 from steadfast.kv.ledger import (
     BlockRecord,
     BlockState,
@@ -24,6 +28,7 @@ from steadfast.kv.ledger import (
     LeaseState,
     Ledger,
     LedgerError,
+    LedgerUnavailableError,
     ReceiverGoneError,
     RequestCheckpoint,
     Seal,
@@ -78,10 +83,17 @@ class SqliteLedger(Ledger):
     def __init__(self, path: str, clock: Callable[[], float] = time.monotonic, timeout_s: float = 10.0) -> None:
         self.path = path
         self.clock = clock
-        # isolation_level=None: transactions are opened explicitly, with BEGIN IMMEDIATE.
-        self.db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes, cheap per commit
+        self.timeout_s = timeout_s
+        # Re-entrant: a transaction's helpers, and a subclass wrapping `_tx`, may take it again.
+        self._lock = threading.RLock()
+        try:
+            # isolation_level=None: transactions are opened explicitly, with BEGIN IMMEDIATE.
+            # check_same_thread=False: threads share the connection, one at a time under `_lock`.
+            self.db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes, cheap per commit
+        except sqlite3.Error as exc:
+            raise self._unavailable(exc) from exc
         with self._tx() as c:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
@@ -90,20 +102,47 @@ class SqliteLedger(Ledger):
                 c.execute("ALTER TABLE blocks ADD COLUMN content BLOB")  # a ledger file from before token names
             c.execute("CREATE INDEX IF NOT EXISTS blocks_by_content ON blocks (content)")
 
+    def _unavailable(self, exc: sqlite3.Error) -> LedgerUnavailableError:
+        return LedgerUnavailableError(f"SQLite ledger {self.path}: {exc}")
+
+    def _acquire(self) -> None:
+        # Bounded like SQLite's own busy wait: a thread stuck behind another's transaction (a stalled
+        # checkpoint) gets the same "busy, try later" answer a second process would.
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise LedgerUnavailableError(f"SQLite ledger {self.path}: busy in another thread for {self.timeout_s}s")
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Cursor]:
-        c = self.db.cursor()
-        c.execute("BEGIN IMMEDIATE")
+        self._acquire()
         try:
-            yield c
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
-        else:
-            c.execute("COMMIT")
+            c = self.db.cursor()
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                yield c
+                c.execute("COMMIT")
+            except BaseException:
+                # A failed COMMIT leaves the transaction open: end it, or the next BEGIN would fail too.
+                if self.db.in_transaction:
+                    c.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise self._unavailable(exc) from exc
+        finally:
+            self._lock.release()
+
+    def _rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple]:
+        """A read outside any transaction, fetched whole while the connection is ours."""
+        self._acquire()
+        try:
+            return self.db.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise self._unavailable(exc) from exc
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
-        self.db.close()
+        with self._lock:
+            self.db.close()
 
     # --- leases -------------------------------------------------------------------------------
     @staticmethod
@@ -169,12 +208,11 @@ class SqliteLedger(Ledger):
         return epoch
 
     def lease(self, worker: str) -> Lease | None:
-        row = self.db.execute("SELECT worker, epoch, expires, pid, state FROM leases WHERE worker = ?", (worker,))
-        found = row.fetchone()
-        return None if found is None else self._lease_row(found)
+        rows = self._rows("SELECT worker, epoch, expires, pid, state FROM leases WHERE worker = ?", (worker,))
+        return self._lease_row(rows[0]) if rows else None
 
     def leases(self) -> list[Lease]:
-        rows = self.db.execute("SELECT worker, epoch, expires, pid, state FROM leases ORDER BY worker")
+        rows = self._rows("SELECT worker, epoch, expires, pid, state FROM leases ORDER BY worker")
         return [self._lease_row(r) for r in rows]
 
     # --- blocks -------------------------------------------------------------------------------
@@ -333,7 +371,7 @@ class SqliteLedger(Ledger):
         return BlockRecord(r[0], BlockState(r[1]), r[2], r[3], r[4], r[5], r[6], r[7], r[8])
 
     def blocks(self) -> list[BlockRecord]:
-        rows = self.db.execute(f"SELECT {self._BLOCK_COLUMNS} FROM blocks ORDER BY id")
+        rows = self._rows(f"SELECT {self._BLOCK_COLUMNS} FROM blocks ORDER BY id")
         return [self._block_row(r) for r in rows]
 
     def sealed_with_content(self, contents: Sequence[bytes]) -> list[BlockRecord]:
@@ -341,7 +379,7 @@ class SqliteLedger(Ledger):
         names = list(dict.fromkeys(contents))
         for i in range(0, len(names), 500):  # well under SQLite's bound-parameter limit
             part = names[i : i + 500]
-            rows = self.db.execute(
+            rows = self._rows(
                 f"SELECT {self._BLOCK_COLUMNS} FROM blocks WHERE content IN ({','.join('?' * len(part))}) "
                 "AND state = 'SEALED' ORDER BY id",
                 part,
@@ -384,14 +422,12 @@ class SqliteLedger(Ledger):
     _REQUEST_COLUMNS = "id, prompt, params, generated, delivered, owner, epoch, phase, blocks"
 
     def request(self, request_id: str) -> RequestCheckpoint | None:
-        row = self.db.execute(f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE id = ?", (request_id,)).fetchone()
-        return None if row is None else self._request_row(row)
+        rows = self._rows(f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE id = ?", (request_id,))
+        return self._request_row(rows[0]) if rows else None
 
     def requests(self, owner: str | None = None) -> list[RequestCheckpoint]:
         if owner is None:
-            rows = self.db.execute(f"SELECT {self._REQUEST_COLUMNS} FROM requests ORDER BY id")
+            rows = self._rows(f"SELECT {self._REQUEST_COLUMNS} FROM requests ORDER BY id")
         else:
-            rows = self.db.execute(
-                f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE owner = ? ORDER BY id", (owner,)
-            )
+            rows = self._rows(f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE owner = ? ORDER BY id", (owner,))
         return [self._request_row(r) for r in rows]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from steadfast.kv.arena import KVArena
-from steadfast.model.gguf_loader import LlamaConfig
+from steadfast.model.gguf_meta import LlamaConfig
 from steadfast.model.paged_attention import PagedAttention
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from steadfast.config import kernel_cache_dir
+from steadfast.env import kernel_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import gguf
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from steadfast.model.gguf_loader import ModelLoadError, field_value, open_gguf
+from steadfast.model.gguf_meta import ModelLoadError, field_value, open_gguf
 
 CONTROL = 3
 USER_DEFINED = 4

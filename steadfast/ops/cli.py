@@ -11,7 +11,7 @@ from pathlib import Path
 
 from steadfast.config import Config, ConfigError, load_config
 from steadfast.ipc import setup_logging
-from steadfast.model.gguf_loader import ModelLoadError
+from steadfast.model.gguf_meta import ModelLoadError
 
 
 def _config(args: argparse.Namespace) -> Config:

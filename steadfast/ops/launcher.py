@@ -19,10 +19,9 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 
@@ -31,13 +30,14 @@ import zmq
 
 from steadfast import protocol
 from steadfast.config import Config
-from steadfast.kv.arena import ArenaSpec, KVArena
-from steadfast.kv.ledger import LeaseState
+from steadfast.kv.arena import KVArena
+from steadfast.kv.ledger import LeaseState, Ledger
+from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
 from steadfast.kv.pool_client import PoolClient
-from steadfast.kv.sqlite_ledger import SqliteLedger
-from steadfast.model.gguf_loader import open_gguf, read_config
-from steadfast.protocol import WorkerDied, WorkerJoined
-from steadfast.worker.engine import arena_spec
+from steadfast.kv.spec import ArenaSpec, arena_spec
+from steadfast.model.gguf_meta import open_gguf, read_config
+from steadfast.ops.children import ArenaSource, ChildKind, ChildSpec, OnExit, pool_spec, router_spec, worker_spec
+from steadfast.protocol import WorkerDied, WorkerJoined, WorkerRole
 
 log = logging.getLogger("steadfast.launcher")
 
@@ -51,8 +51,12 @@ class StartupError(RuntimeError):
 
 @dataclass
 class Child:
-    name: str
+    spec: ChildSpec
     proc: subprocess.Popen[bytes]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 @dataclass
@@ -62,13 +66,13 @@ class PoolNode:
 
     index: int
     address: str
-    ledger_path: str
-    args: list[str]
-    ledger: SqliteLedger | None = None  # opened when first needed, to read fenced leases
+    ledger_url: str
+    spec: ChildSpec
+    ledger: Ledger | None = None  # opened when first needed, to read fenced leases
 
     @property
     def name(self) -> str:
-        return "kvpool" if self.index == 0 else f"kvpool{self.index}"
+        return self.spec.name
 
 
 @dataclass
@@ -102,13 +106,13 @@ class Launcher:
                 self._start_pool(i, cfg_json, spec, tag)
         self._cfg_json, self._output, self._tag, self._spec = cfg_json, output, tag, spec
         last = max(len(self.nodes) - 1, 0)  # decode workers' node: the second when separate
-        placed = [("mixed", 0)] * srv.workers + [("prefill", 0)] * srv.prefill_workers
-        placed += [("decode", last)] * srv.decode_workers
-        placed += [("standby", node) for node in range(last + 1) for _ in range(srv.standby_workers)]
+        placed = [(WorkerRole.MIXED, 0)] * srv.workers + [(WorkerRole.PREFILL, 0)] * srv.prefill_workers
+        placed += [(WorkerRole.DECODE, last)] * srv.decode_workers
+        placed += [(WorkerRole.STANDBY, node) for node in range(last + 1) for _ in range(srv.standby_workers)]
         for worker_id, (role, node) in enumerate(placed):
             self._spawn_worker(worker_id, role, node)
-        active = [i for i, (role, _) in enumerate(placed) if role != "standby"]
-        self._spawn("router", self._router_args(active, [i for i in range(len(placed)) if i not in active]))
+        active = [i for i, (role, _) in enumerate(placed) if role != WorkerRole.STANDBY]
+        self._spawn(self._router_spec(active, [i for i in range(len(placed)) if i not in active]))
         self._notices = zmq.Context.instance().socket(zmq.PUSH)  # supervisor → router: deaths, joins
         self._notices.setsockopt(zmq.LINGER, 0)
         self._notices.connect(output)
@@ -124,58 +128,34 @@ class Launcher:
     def _worker_address(self, worker_id: int) -> str:
         return f"ipc://{self.run_dir}/worker{worker_id}"
 
-    def _router_args(self, active: list[int], standbys: list[int]) -> list[str]:
-        """The router's command line: workers (by id) that take traffic, then standbys. A restarted
-        router learns each worker's current role from its first status report."""
-        args = ["steadfast.control.main", "--config-json", self._cfg_json, "--output", self._output]
-        for node in self.nodes:
-            args += ["--ledger", node.ledger_path]
-        for flag, ids in (("--worker", active), ("--standby", standbys)):
-            for worker_id in ids:
-                args += [flag, f"{worker_id}={self._worker_address(worker_id)}"]
-        return args
+    def _router_spec(self, active: list[int], standbys: list[int]) -> ChildSpec:
+        """The router: workers (by id) that take traffic, then standbys."""
+        ledgers = [node.ledger_url for node in self.nodes]
+        with_address = [[(i, self._worker_address(i)) for i in ids] for ids in (active, standbys)]
+        return router_spec(self._cfg_json, self._output, ledgers, *with_address)
 
     def _router_died(self, c: Child) -> Child:
         """Restart the router on the workers that live now; clients reconnect with Last-Event-ID."""
         log.error("router (pid %d) exited with code %s; restarting it", c.proc.pid, c.proc.returncode)
         alive = sorted(
-            int(x.name.removeprefix("worker"))
-            for x in self.children
-            if x.name.startswith("worker") and x.proc.poll() is None
+            x.spec.worker_id for x in self.children if x.spec.kind is ChildKind.WORKER and x.proc.poll() is None
         )
-        self._spawn("router", self._router_args(alive, []))
-        return self.children[-1]
+        return self._spawn(self._router_spec(alive, []))
 
-    def _spawn_worker(self, worker_id: int, role: str, node: int = 0) -> str:
+    def _spawn_worker(self, worker_id: int, role: WorkerRole, node: int = 0) -> str:
         """Start worker `worker_id` (its lease is named after it) on `node`; return its input address."""
         if self.nodes:
-            where = ["--pool", self.nodes[node].address]
+            source = ArenaSource(pool=self.nodes[node].address)
         elif self.cfg.model.resolved_device != "cpu":
-            where = ["--device-arena"]  # device memory cannot be made here and handed over
+            source = ArenaSource(device=True)  # device memory cannot be made here and handed over
         else:
             arena = KVArena.create(str(Path(self.cfg.cache.arena_dir) / f"{self._tag}-w{worker_id}.kv"), self._spec)
             self.arenas.append(arena)
-            where = ["--arena", arena.path]
+            source = ArenaSource(arena_file=arena.path)
         address = self._worker_address(worker_id)
         self.node_of[worker_id] = node
         self.next_worker_id = max(self.next_worker_id, worker_id + 1)
-        self._spawn(
-            f"worker{worker_id}",
-            [
-                "steadfast.worker.main",
-                "--config-json",
-                self._cfg_json,
-                "--worker-id",
-                str(worker_id),
-                "--input",
-                address,
-                "--output",
-                self._output,
-                "--role",
-                role,
-                *where,
-            ],
-        )
+        self._spawn(worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node))
         return address
 
     def _kill_fenced(self) -> None:
@@ -184,7 +164,7 @@ class Launcher:
         fenced = set()
         for node in self.nodes:
             if node.ledger is None:
-                node.ledger = SqliteLedger(node.ledger_path)
+                node.ledger = open_ledger(node.ledger_url)
             fenced |= {lease.worker for lease in node.ledger.leases() if lease.state == LeaseState.FENCED}
         for c in self.children:
             if c.name in fenced and c.proc.poll() is None:
@@ -194,7 +174,7 @@ class Launcher:
     def _worker_died(self, c: Child) -> None:
         """Reaped worker: fence it through its node's pool (pid confirmed gone), tell the router; a
         standby replaces it on that node soon."""
-        worker_id = int(c.name.removeprefix("worker"))
+        worker_id = c.spec.worker_id
         node = self.node_of.pop(worker_id, 0)
         code = c.proc.returncode
         log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
@@ -217,53 +197,40 @@ class Launcher:
         for due in [d for d in self._respawn_at if d[0] <= now]:
             self._respawn_at.remove(due)
             new_id = self.next_worker_id
-            address = self._spawn_worker(new_id, "standby", due[1])
-            self._notices.send(protocol.encode(WorkerJoined(new_id, address, "standby")))
+            address = self._spawn_worker(new_id, WorkerRole.STANDBY, due[1])
+            self._notices.send(protocol.encode(WorkerJoined(new_id, address, WorkerRole.STANDBY)))
             started.append(self.children[-1])
         return started
 
     def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec, tag: str) -> None:
-        configured = self.cfg.fault_recovery.kv_cache.ledger_path
+        configured = self.cfg.fault_recovery.kv_cache.resolved_ledger_url
         suffix = "" if index == 0 else f"-node{index}"
         arena_path = str(Path(self.cfg.cache.arena_dir) / f"{tag}{suffix}.kv")
         if configured:
-            path = Path(configured)
-            ledger = str(path.with_name(f"{path.stem}{suffix}{path.suffix}"))
+            ledger = sibling_ledger_url(configured, suffix)
         else:
-            ledger = str(self.run_dir / f"ledger{suffix}.db")
-            self.shared_files += [ledger, ledger + "-wal", ledger + "-shm"]
+            path = str(self.run_dir / f"ledger{suffix}.db")
+            ledger = sqlite_url(path)
+            self.shared_files += [path, path + "-wal", path + "-shm"]
         address = f"ipc://{self.run_dir}/kvpool{suffix}"
         ready = self.run_dir / f"kvpool{suffix}.ready"
-        args = [
-            "steadfast.kv.pool",
-            "--config-json",
-            cfg_json,
-            "--address",
-            address,
-            "--arena",
-            arena_path,
-            "--ledger",
-            ledger,
-            "--spec-json",
-            json.dumps(asdict(spec)),
-            "--ready-file",
-            str(ready),
-            "--device",
-            self.cfg.model.resolved_device,
-        ]
-        node = PoolNode(index, address, ledger, args)
+        child = pool_spec(
+            cfg_json, index, address, arena_path, ledger, spec, str(ready), self.cfg.model.resolved_device
+        )
+        node = PoolNode(index, address, ledger, child)
         self.nodes.append(node)
         self.shared_files += [arena_path, arena_path + ".json"]
-        self._spawn(node.name, args)
+        self._spawn(child)
         deadline = time.monotonic() + 30
         while not ready.exists():
             if self.children[-1].proc.poll() is not None or time.monotonic() > deadline:
                 raise StartupError(f"the {node.name} daemon did not start")
             time.sleep(0.05)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", *args])
-        self.children.append(Child(name, proc))
+    def _spawn(self, spec: ChildSpec) -> Child:
+        child = Child(spec, subprocess.Popen(spec.command()))
+        self.children.append(child)
+        return child
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.server.startup_timeout_s
@@ -301,32 +268,30 @@ class Launcher:
                     c = pidfds.pop(fd)  # type: ignore[call-overload]
                     os.close(fd)  # type: ignore[arg-type]
                     c.proc.wait()
-                    if c.name.startswith("worker") and not stop["signal"]:
-                        self.children.remove(c)
-                        self._worker_died(c)
-                        continue
-                    if c.name == "router" and not stop["signal"]:
-                        self.children.remove(c)
-                        fresh = self._router_died(c)
+                    if stop["signal"]:
+                        continue  # stopping: an exit is expected, nothing is restarted
+                    self.children.remove(c)
+                    fresh = self._exited(c)
+                    if fresh is not None:
                         pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
-                        continue
-                    node = next((n for n in self.nodes if n.name == c.name), None)
-                    if node is not None:
-                        # The arena and ledger outlive the daemon: a new one re-attaches both and the
-                        # workers, which retry their pool requests, carry on.
-                        code = c.proc.returncode
-                        log.error("%s (pid %d) exited with code %s; restarting it", c.name, c.proc.pid, code)
-                        self.children.remove(c)
-                        self._spawn(node.name, node.args)
-                        self.pool_restarts += 1
-                        pidfds[os.pidfd_open(self.children[-1].proc.pid)] = self.children[-1]
-                        continue
-                    log.error("%s (pid %d) exited with code %s; shutting down", c.name, c.proc.pid, c.proc.returncode)
-                    return 1
             return 0
         finally:
             for fd in pidfds:
                 os.close(fd)
+
+    def _exited(self, c: Child) -> Child | None:
+        """Act on a child's exit as its spec says; return the child started in its place now, if any."""
+        action = c.spec.on_exit
+        if action is OnExit.REPLACE:
+            self._worker_died(c)  # (its standby replacement comes later, from _respawn_due)
+            return None
+        if action is OnExit.RESTART_ROUTER:
+            return self._router_died(c)
+        # A pool: the arena and ledger outlive the daemon; a new one re-attaches both and the workers,
+        # which retry their pool requests, carry on.
+        log.error("%s (pid %d) exited with code %s; restarting it", c.name, c.proc.pid, c.proc.returncode)
+        self.pool_restarts += 1
+        return self._spawn(c.spec)
 
     def stop(self) -> None:
         for c in self.children:

@@ -19,23 +19,23 @@ from steadfast.config import Config
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.ledger import BlockRecord, FencedError, RequestCheckpoint
+from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.pool_client import LeaseKeeper, LeaseLostError, PoolClient
-from steadfast.kv.sqlite_ledger import SqliteLedger
 from steadfast.worker.request import Request, Status
 
 log = logging.getLogger(__name__)
 
 
 class LedgerSync:
-    def __init__(self, cfg: Config, pool: PoolClient, ledger_path: str, arena: KVArena) -> None:
+    def __init__(self, cfg: Config, pool: PoolClient, ledger_url: str, arena: KVArena) -> None:
         lease_cfg = cfg.fault_recovery.lease
         self.worker = pool.worker
         self.epoch = pool.epoch
         self.arena = arena
         self.interval = cfg.fault_recovery.kv_cache.snapshot_interval_steps
-        self.ledger = SqliteLedger(ledger_path)
+        self.ledger = open_ledger(ledger_url)
         self.lease = LeaseKeeper(
-            ledger_path, self.worker, self.epoch, lease_cfg.renew_interval_ms / 1000, lease_cfg.lease_timeout_ms / 1000
+            ledger_url, self.worker, self.epoch, lease_cfg.renew_interval_ms / 1000, lease_cfg.lease_timeout_ms / 1000
         )
         self.lease.start()
         self._sealed_pending: dict[int, bytes] = {}  # filled, to seal: block -> its token name

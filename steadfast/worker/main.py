@@ -17,21 +17,28 @@ import time
 import torch
 import zmq
 
-from steadfast.config import Config, config_from_dict, torch_threads
+from steadfast.config import Config, config_from_dict
+from steadfast.env import torch_threads, transfer_fault_source
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena
+from steadfast.kv.moves.faults import fault_switch
+from steadfast.kv.moves.receiver import KVReceiver
+from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.pool_client import LeaseLostError, PoolClient, map_arena
-from steadfast.kv.transfer import KVReceiver, KVSender, TransportFaults
+from steadfast.kv.spec import arena_spec
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
+    FinishReason,
     Promote,
     RequestOutput,
     SamplingParams,
     StepOutputs,
+    WorkerRole,
+    WorkerState,
     WorkerStatus,
 )
-from steadfast.worker.engine import Engine, arena_spec, load_model
+from steadfast.worker.engine import Engine, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 
 log = logging.getLogger("steadfast.worker")
@@ -40,7 +47,7 @@ EXIT_LEASE_LOST = 3
 
 
 class WorkerLoop:
-    def __init__(self, cfg: Config, worker_id: int, inbox: WorkerInbox, outbox: WorkerOutbox, role: str) -> None:
+    def __init__(self, cfg: Config, worker_id: int, inbox: WorkerInbox, outbox: WorkerOutbox, role: WorkerRole) -> None:
         self.cfg = cfg
         self.worker_id = worker_id
         self.inbox = inbox
@@ -52,7 +59,7 @@ class WorkerLoop:
         self._last_status = 0.0
         self._last_counts = (0, 0.0, 0)  # engine steps, step seconds, step tokens at the last report
 
-    def status(self, state: str) -> WorkerStatus:
+    def status(self, state: WorkerState) -> WorkerStatus:
         e = self.engine
         if e is None:
             return WorkerStatus(self.worker_id, os.getpid(), self.role, state)
@@ -73,14 +80,14 @@ class WorkerLoop:
             step_ms=1000 * (e.step_seconds - seconds0) / steps if steps else 0.0,
             step_tokens=(e.step_tokens - tokens0) / steps if steps else 0.0,
             node=self.node,
-            kv_addresses=e.receiver.addresses if e.receiver is not None else [],
+            kv_addresses=e.kv.receiver.addresses if e.kv.receiver is not None else [],
         )
 
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._last_status >= self.cfg.server.status_interval_s:
             self._last_status = now
-            self.outbox.send(self.status("stopping" if self.stopping else "ready"))
+            self.outbox.send(self.status(WorkerState.STOPPING if self.stopping else WorkerState.READY))
 
     def run(self, engine: Engine) -> None:
         self.engine = engine
@@ -118,28 +125,32 @@ class WorkerLoop:
             failed = []
             for request_id in list(engine.requests):
                 engine.abort(request_id)
-                failed.append(RequestOutput(request_id, [], finish_reason="error", error=f"engine error: {exc}"))
+                why = f"engine error: {exc}"
+                failed.append(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=why))
             return failed
 
 
-def _connect_other_nodes(cfg: Config, engine: Engine, pool_address: str, pool: PoolClient, sync: LedgerSync) -> None:
+def _other_nodes(
+    cfg: Config, arena: KVArena, pool_address: str, pool: PoolClient, sync: LedgerSync
+) -> tuple[KVSender, KVReceiver]:
     """KV across nodes: a sender (used when this worker prefills for a decode worker elsewhere) and
     a receiver (when it decodes what a prefill worker elsewhere computed), whose blocks come from
     this node's pool through a client of its own (the receiver works on its own thread)."""
     t = cfg.transfer
-    engine.sender = KVSender(engine.arena.spec.num_layers, t.timeout, t.retries, t.backoff, TransportFaults.from_env)
-    engine.layerwise = t.layerwise
+    faults = fault_switch(transfer_fault_source(t))  # None unless a fault drill is configured
+    sender = KVSender(arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults)
     grants = PoolClient(pool_address, pool.worker)
     grants.epoch = pool.epoch
-    engine.receiver = KVReceiver(
-        engine.arena,
-        engine.blocks.block_size,
+    receiver = KVReceiver(
+        arena,
+        arena.spec.block_size,
         [f"tcp://{t.listen_host}:0"] * t.paths,
         grants.grant,
         grants.release,
         t.timeout,
         sync.lease.check,
     )
+    return sender, receiver
 
 
 def warm_up(engine: Engine) -> None:
@@ -164,7 +175,7 @@ def main() -> None:
     parser.add_argument("--arena", help="path of a private KV arena to map (no kvpool)")
     parser.add_argument("--device-arena", action="store_true", help="allocate a private arena in device memory")
     parser.add_argument("--pool", help="ZeroMQ address of the node's kvpool daemon")
-    parser.add_argument("--role", default="mixed")
+    parser.add_argument("--role", type=WorkerRole, choices=list(WorkerRole), default=WorkerRole.MIXED)
     args = parser.parse_args()
     die_with_parent()
     setup_logging(f"worker{args.worker_id}")
@@ -181,7 +192,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    outbox.send(loop.status("loading"))
+    outbox.send(loop.status(WorkerState.LOADING))
     t0 = time.perf_counter()
     loaded = load_model(cfg)
     sync = None
@@ -189,10 +200,10 @@ def main() -> None:
         pool = PoolClient(args.pool, f"worker{args.worker_id}")
         reply = pool.register(os.getpid())
         arena = map_arena(reply)
-        sync = LedgerSync(cfg, pool, reply.ledger_path, arena)
-        engine = Engine(cfg, loaded, arena, source=pool, sync=sync)
+        sync = LedgerSync(cfg, pool, reply.ledger_url, arena)
         log.info("registered with the kvpool as %s, epoch %d", pool.worker, pool.epoch)
-        _connect_other_nodes(cfg, engine, args.pool, pool, sync)
+        sender, receiver = _other_nodes(cfg, arena, args.pool, pool, sync)
+        engine = Engine(cfg, loaded, arena, source=pool, sync=sync, sender=sender, receiver=receiver)
         loop.node = args.pool
     elif args.device_arena:
         spec = arena_spec(cfg, loaded.model_cfg)
@@ -212,9 +223,7 @@ def main() -> None:
     except LeaseLostError as exc:
         log.error("lease lost, every further write would be refused; exiting: %s", exc)
         os._exit(EXIT_LEASE_LOST)  # no clean-up that could write: this process is fenced
-    for side in (engine.sender, engine.receiver):
-        if side is not None:
-            side.close()
+    engine.kv.close()
     if sync is not None:
         sync.close(pool, engine.blocks.held_blocks)
     ctx.destroy(linger=1000)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from steadfast.protocol import SamplingParams
+from steadfast.protocol import FinishReason, Route, SamplingParams
 
 _arrival = itertools.count()
 
@@ -28,9 +28,9 @@ class Request:
         self.num_computed = 0  # tokens whose KV is in the arena
         self.num_cached = 0  # prompt tokens found in the prefix cache at first admission
         self.num_preemptions = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         # A taken-over request: (route, tokens of KV adopted) until its first new token reports them.
-        self.recovery: tuple[str, int] | None = None
+        self.recovery: tuple[Route, int] | None = None
         self.resume_tokens = 0  # tokens it had (prompt + delivered) when it was taken over
         self.decode_worker = -1  # a prefill worker hands its KV to this worker after the first token
         self.kv_paths: list[str] = []  # ...on another node, streamed to these addresses

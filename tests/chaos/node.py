@@ -7,10 +7,8 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 
 import zmq
@@ -18,11 +16,13 @@ import zmq
 from steadfast import protocol
 from steadfast.config import Config
 from steadfast.kv.arena import KVArena
+from steadfast.kv.ledger import Ledger
+from steadfast.kv.ledger_url import open_ledger, sqlite_url
 from steadfast.kv.pool_client import PoolClient, map_arena
-from steadfast.kv.sqlite_ledger import SqliteLedger
-from steadfast.model.gguf_loader import open_gguf, read_config
-from steadfast.protocol import AddRequest, RequestOutput, StepOutputs, WorkerStatus
-from steadfast.worker.engine import arena_spec
+from steadfast.kv.spec import arena_spec
+from steadfast.model.gguf_meta import open_gguf, read_config
+from steadfast.ops.children import ArenaSource, pool_spec, worker_spec
+from steadfast.protocol import AddRequest, RequestOutput, StepOutputs, WorkerRole, WorkerStatus
 
 
 class Node:
@@ -31,7 +31,8 @@ class Node:
         self.cfg = cfg
         self.cfg_json = json.dumps(cfg.to_dict())
         self.arena_path = f"/dev/shm/steadfast-chaos-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv"
-        self.ledger_path = str(tmp / "ledger.db")
+        self.ledger_path = str(tmp / "ledger.db")  # the file itself, for tests that look inside it
+        self.ledger_url = sqlite_url(self.ledger_path)
         self.pool_address = f"ipc://{tmp}/kvpool"
         self.output = f"ipc://{tmp}/outputs"
         self.failpoint_dir = tmp / "failpoints"
@@ -60,61 +61,35 @@ class Node:
     def start_pool(self) -> subprocess.Popen:
         ready = self.tmp / "kvpool.ready"
         ready.unlink(missing_ok=True)
-        self.pool = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "steadfast.kv.pool",
-                "--config-json",
-                self.cfg_json,
-                "--address",
-                self.pool_address,
-                "--arena",
-                self.arena_path,
-                "--ledger",
-                self.ledger_path,
-                "--spec-json",
-                json.dumps(asdict(self.spec)),
-                "--ready-file",
-                str(ready),
-                "--device",
-                self.cfg.model.resolved_device,
-            ],
-            stdout=self._log("kvpool"),
-            stderr=subprocess.STDOUT,
+        spec = pool_spec(
+            self.cfg_json,
+            0,
+            self.pool_address,
+            self.arena_path,
+            self.ledger_url,
+            self.spec,
+            str(ready),
+            self.cfg.model.resolved_device,
         )
+        self.pool = subprocess.Popen(spec.command(), stdout=self._log("kvpool"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not ready.exists():
             assert self.pool.poll() is None and time.monotonic() < deadline, self.log_text("kvpool")
             time.sleep(0.05)
         return self.pool
 
-    def start_worker(self, worker_id: int = 0, role: str = "mixed", output: str = "") -> subprocess.Popen:
+    def start_worker(
+        self, worker_id: int = 0, role: WorkerRole = WorkerRole.MIXED, output: str = ""
+    ) -> subprocess.Popen:
         """Start a worker on this node; `output`: another node's output address to report to (one
         router for both), whose `wait_status` then sees its status."""
         env = dict(os.environ, STEADFAST_FAILPOINTS=self.failpoints, STEADFAST_FAILPOINT_DIR=str(self.failpoint_dir))
         address = f"ipc://{self.tmp}/worker{worker_id}"
+        spec = worker_spec(
+            self.cfg_json, worker_id, address, output or self.output, role, ArenaSource(pool=self.pool_address)
+        )
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "steadfast.worker.main",
-                "--config-json",
-                self.cfg_json,
-                "--worker-id",
-                str(worker_id),
-                "--input",
-                address,
-                "--output",
-                output or self.output,
-                "--pool",
-                self.pool_address,
-                "--role",
-                role,
-            ],
-            stdout=self._log(f"worker{worker_id}"),
-            stderr=subprocess.STDOUT,
-            env=env,
+            spec.command(), stdout=self._log(f"worker{worker_id}"), stderr=subprocess.STDOUT, env=env
         )
         push = self.ctx.socket(zmq.PUSH)
         push.connect(address)
@@ -167,8 +142,8 @@ class Node:
                     done.update(o.request_id for o in msg.outputs if o.finish_reason)
         return got
 
-    def ledger(self) -> SqliteLedger:
-        return SqliteLedger(self.ledger_path)
+    def ledger(self) -> Ledger:
+        return open_ledger(self.ledger_url)
 
     def arena(self) -> KVArena:
         """The node's arena as the pool hands it out (a file, or device memory by CUDA IPC handle)."""

@@ -70,7 +70,11 @@ def test_kvpool_killed_mid_stream_is_restarted_and_the_stream_completes(tmp_path
             time.sleep(0.1)
         assert new and new[0] != pool
         assert "restarting it" in server.output()
-        again = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 20}).json()
+        # A generous timeout: on a CPU without AVX-512 a bf16 token can take ~0.4 s (httpx waits 5 s by default).
+        again = httpx.post(
+            server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 20}, timeout=120
+        )
+        again = again.json()
         assert again["usage"]["completion_tokens"] == 20
     finally:
         server.stop()

@@ -21,8 +21,8 @@ import torch
 from steadfast.config import Config
 from steadfast.kv.arena import ArenaSpec, KVArena
 from steadfast.kv.ledger import LeaseState
+from steadfast.kv.ledger_url import open_ledger, sqlite_url
 from steadfast.kv.pool_client import LeaseLostError, PoolClient, map_arena
-from steadfast.kv.sqlite_ledger import SqliteLedger
 
 pytestmark = [
     pytest.mark.gpu,
@@ -88,7 +88,7 @@ class DevicePool:
     def __init__(self, tmp: Path, lease_timeout_ms: int) -> None:
         self.tmp = tmp
         self.address = f"ipc://{tmp}/kvpool"
-        self.ledger_path = str(tmp / "ledger.db")
+        self.ledger_url = sqlite_url(tmp / "ledger.db")
         lease = {"renew_interval_ms": lease_timeout_ms // 4, "lease_timeout_ms": lease_timeout_ms}
         cfg = Config().replace(fault_recovery={"lease": lease})
         self.args = [
@@ -102,7 +102,7 @@ class DevicePool:
             "--arena",
             str(tmp / "unused.kv"),
             "--ledger",
-            self.ledger_path,
+            self.ledger_url,
             "--spec-json",
             json.dumps(asdict(SPEC)),
             "--ready-file",
@@ -142,7 +142,7 @@ def test_pool_owned_device_arena_outlives_a_killed_engine(tmp_path):
         assert arena.digest(block).hex() == digest
         assert bool((arena.tensor[:, :, :, block] == 3.25).all())
         # The pool noticed the writer is gone: its lease is fenced and its blocks reclaimed.
-        ledger = SqliteLedger(pool.ledger_path)
+        ledger = open_ledger(pool.ledger_url)
         deadline = time.monotonic() + 10
         while ledger.lease("writer").state == LeaseState.ACTIVE and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -163,7 +163,7 @@ def test_a_restarted_pool_fences_everyone_its_old_device_arena_served(tmp_path):
     assert len(held) == 8
     pool.kill()  # device memory dies with its owner
     pool.start()
-    ledger = SqliteLedger(pool.ledger_path)
+    ledger = open_ledger(pool.ledger_url)
     assert ledger.lease("engine").state == LeaseState.FENCED
     assert all(b.owner is None for b in ledger.blocks())
     with pytest.raises(LeaseLostError):

@@ -16,10 +16,11 @@ import torch
 from steadfast.config import Config
 from steadfast.kv.arena import KVArena
 from steadfast.kv.integrity import check_node
+from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.pool_client import PoolClient, map_arena
-from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.kv.spec import arena_spec
 from steadfast.protocol import AddRequest, SamplingParams
-from steadfast.worker.engine import Engine, arena_spec, load_model
+from steadfast.worker.engine import Engine, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS
@@ -79,12 +80,12 @@ def test_cuda_engine_on_the_pool_arena_matches_the_cpu(tmp_path):
         reply = pool.register(os.getpid())
         arena = map_arena(reply)
         assert reply.cuda_ipc is not None and arena.device.type == "cuda"
-        sync = LedgerSync(gpu_cfg, pool, reply.ledger_path, arena)
+        sync = LedgerSync(gpu_cfg, pool, reply.ledger_url, arena)
         engine = Engine(gpu_cfg, load_model(gpu_cfg), arena, source=pool, sync=sync)
         got, got_rows = run(engine, requests(cpu_loaded.tokenizer))
         # The ledger's seals hash the device bytes; a second mapping of the arena agrees with all of it.
         tables = {"worker0": {}}
-        problems = check_node(SqliteLedger(reply.ledger_path), node.arena(), tables)
+        problems = check_node(open_ledger(reply.ledger_url), node.arena(), tables)
         assert problems == []
         sync.close(pool, engine.blocks.held_blocks)
     finally:

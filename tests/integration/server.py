@@ -20,7 +20,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, tmp: Path, config_yaml: str = "", extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, config_yaml: str = "", extra_args: tuple[str, ...] = (), code_dir: str = "") -> None:
+        """`code_dir`: serve the Steadfast checkout there instead of this one (benchmarks: before vs after)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = tmp / "server.yaml"
@@ -41,6 +42,9 @@ class ServerProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # The checkout first on the path: its `steadfast` package wins over the installed one.
+            env=dict(os.environ, PYTHONPATH=code_dir) if code_dir else None,
+            cwd=code_dir or None,
         )
 
     def wait_ready(self, timeout: float = 180.0) -> None:

@@ -423,16 +423,17 @@ def test_a_request_ending_before_its_kv_is_committed_lets_the_transfer_go(fp32_m
     """A request whose first token already ends it (max_tokens 1), or that is aborted mid-prompt, never
     commits: the sender gives the transfer up, the receiver frees what it took, nothing keeps the
     worker busy. In one process, with a real sender and receiver over TCP."""
-    from steadfast.kv.transfer import KVReceiver, KVSender
+    from steadfast.kv.moves.receiver import KVReceiver
+    from steadfast.kv.moves.sender import KVSender
     from steadfast.worker.engine import Engine
     from tests.unit.fake_pool import FakePool
 
     cfg = fp32_config.replace(scheduler={"max_prefill_chunk": 32, "max_num_batched_tokens": 64})
-    engine = Engine(cfg, fp32_model, make_arena(cfg, fp32_model))
     other = make_arena(cfg, fp32_model)  # the "other node's" arena
     pool = FakePool(other.spec.num_blocks)
     rx = KVReceiver(other, 16, ["tcp://127.0.0.1:0"], pool.grant, pool.release, timeout_s=5.0)
-    engine.sender = KVSender(other.spec.num_layers, 1.0, 0, 0.01)
+    tx = KVSender(other.spec.num_layers, 1.0, 0, 0.01)
+    engine = Engine(cfg, fp32_model, make_arena(cfg, fp32_model), sender=tx)
     try:
         ids = fp32_model.tokenizer.encode("A lighthouse stands on the rock. " * 20)
         one = AddRequest("one", ids, SamplingParams(1, 0.0), decode_worker=1, kv_paths=rx.addresses)
@@ -452,7 +453,7 @@ def test_a_request_ending_before_its_kv_is_committed_lets_the_transfer_go(fp32_m
             time.sleep(0.02)
         assert len(pool.free) == other.spec.num_blocks  # the receiver gave back what it took
     finally:
-        engine.sender.close()
+        tx.close()
         rx.close()
 
 
@@ -462,13 +463,14 @@ def test_with_recompute_off_a_transfer_failing_on_every_path_ends_the_request_wi
     """`transfer.recompute: false`: the fallback chain is the paths alone. Nobody listens on either
     path here, so both fail and the request ends with an error that names them, once, and the
     worker is idle again (nothing waits on a transfer)."""
-    from steadfast.kv.transfer import KVSender
+    from steadfast.kv.moves.sender import KVSender
     from steadfast.worker.engine import Engine
     from tests.integration.server import free_port
 
     cfg = fp32_config.replace(transfer={"recompute": False, "retries": 1, "timeout": "300ms", "backoff": "10ms"})
-    engine = Engine(cfg, fp32_model, make_arena(cfg, fp32_model))
-    engine.sender = KVSender(engine.arena.spec.num_layers, 0.3, 1, 0.01)
+    arena = make_arena(cfg, fp32_model)
+    tx = KVSender(arena.spec.num_layers, 0.3, 1, 0.01)
+    engine = Engine(cfg, fp32_model, arena, sender=tx)
     try:
         ids = fp32_model.tokenizer.encode("A lighthouse stands on the rock. " * 4)
         paths = [f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"]
@@ -480,4 +482,4 @@ def test_with_recompute_off_a_transfer_failing_on_every_path_ends_the_request_wi
         h = ended[0].handoff
         assert h is not None and h.fallback == "error" and h.fallbacks == 2 and h.retries == 2
     finally:
-        engine.sender.close()
+        tx.close()

@@ -34,6 +34,7 @@ def test_defaults_and_yaml_with_overrides(tmp_path):
         ("model: {decode_attention: fast}\n", "model.decode_attention must be auto or torch"),
         ("server: {decode_node: remote}\n", "server.decode_node must be same or separate"),
         ("server: {decode_node: separate}\n", "separate needs decode_workers"),
+        ("fault_recovery: {kv_cache: {ledger_url: 'sqlite:///a.db', ledger_path: b.db}}\n", "not both"),
         ("- a list\n", "mapping"),
     ],
 )
@@ -71,6 +72,15 @@ def test_seed_fault_recovery_block_is_accepted_verbatim_and_is_the_default(tmp_p
     assert fr.kv_cache.recovery_mode == "ledger_first"
     assert (fr.request.idempotency_window, fr.request.resume_checkpoint) == (60.0, True)
     assert cfg == Config()
+
+
+def test_the_ledger_is_configured_by_url_or_by_its_older_file_path():
+    def url(**kv_cache: str) -> str:
+        return Config().replace(fault_recovery={"kv_cache": kv_cache}).fault_recovery.kv_cache.resolved_ledger_url
+
+    assert url() == ""  # a file in the server's run directory
+    assert url(ledger_url="sqlite:///var/lib/steadfast/ledger.db") == "sqlite:///var/lib/steadfast/ledger.db"
+    assert url(ledger_path="/var/lib/steadfast/ledger.db") == "/var/lib/steadfast/ledger.db"
 
 
 def test_nested_override_keeps_sibling_keys():

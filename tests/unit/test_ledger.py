@@ -1,11 +1,23 @@
-"""SQLite ledger: leases and fencing epochs, block states, checkpoints, and a history checker."""
+"""The ledger on every backend: leases and fencing epochs, block states, checkpoints, use from many
+threads, and a history checker; and what is SQLite's own (an old file, a busy database)."""
 
 from __future__ import annotations
+
+import sqlite3
+import threading
 
 import pytest
 
 from steadfast.kv.history import Op, RecordingLedger, check_history
-from steadfast.kv.ledger import BlockState, FencedError, LeaseHeldError, LeaseState, LedgerError, RequestCheckpoint
+from steadfast.kv.ledger import (
+    BlockState,
+    FencedError,
+    LeaseHeldError,
+    LeaseState,
+    LedgerError,
+    LedgerUnavailableError,
+    RequestCheckpoint,
+)
 from steadfast.kv.sqlite_ledger import SqliteLedger
 
 pytestmark = pytest.mark.unit
@@ -25,11 +37,10 @@ def clock():
 
 
 @pytest.fixture
-def ledger(tmp_path, clock):
-    led = SqliteLedger(str(tmp_path / "ledger.db"), clock=clock)
+def ledger(ledger_factory, clock):
+    led = ledger_factory(clock=clock)
     led.format(8)
-    yield led
-    led.close()
+    return led
 
 
 def test_epochs_strictly_increase_and_fence_blocks_every_write(ledger, clock):
@@ -116,8 +127,6 @@ def test_sealed_blocks_are_found_by_token_name_until_unsealed_or_freed(ledger, c
 
 
 def test_a_ledger_file_from_before_token_names_gains_the_column(tmp_path):
-    import sqlite3
-
     path = str(tmp_path / "old.db")
     db = sqlite3.connect(path)
     db.execute(
@@ -177,14 +186,13 @@ def test_checkpoints_round_trip_and_are_owned(ledger):
     assert [r.request_id for r in ledger.requests("w1")] == ["r1"] and ledger.requests("w0") == []
 
 
-def test_reopened_ledger_keeps_everything(tmp_path, clock):
-    path = str(tmp_path / "l.db")
-    led = SqliteLedger(path, clock=clock)
+def test_reopened_ledger_keeps_everything(ledger_factory, clock):
+    led = ledger_factory("l", clock=clock)
     led.format(4)
     e = led.acquire_lease("w0", 1, 5).epoch
     led.grant("w0", e, 2)
     led.close()
-    again = SqliteLedger(path, clock=clock)
+    again = ledger_factory("l", clock=clock)
     again.format(4)
     assert [b.owner for b in again.blocks()] == ["w0", "w0", None, None]
     with pytest.raises(LedgerError):
@@ -192,7 +200,64 @@ def test_reopened_ledger_keeps_everything(tmp_path, clock):
     again.close()
 
 
-def test_integrity_check_reports_a_tampered_block(ledger, clock):
+def test_a_database_busy_past_the_timeout_is_the_ledgers_own_error(tmp_path):
+    path = str(tmp_path / "busy.db")
+    led = SqliteLedger(path, timeout_s=0.05)
+    led.format(2)
+    e = led.acquire_lease("w0", 1, 60).epoch
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    try:
+        with pytest.raises(LedgerUnavailableError, match="locked"):
+            led.renew_lease("w0", e, 60)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert led.renew_lease("w0", e, 60).epoch == e  # the failed transaction left the connection usable
+    led.close()
+
+
+def test_one_ledger_object_serves_many_threads(ledger_factory):
+    # The lease keeper, the engine and the KV receiver of a worker may all use one ledger object.
+    ledger = ledger_factory()  # real clock: the leases must stay live while the threads run
+    ledger.format(32)
+    workers = [f"w{i}" for i in range(4)]
+    epochs = {w: ledger.acquire_lease(w, pid=i + 1, ttl_s=60).epoch for i, w in enumerate(workers)}
+    rounds = 40
+    start = threading.Barrier(len(workers))
+    errors: list[Exception] = []
+
+    def hammer(worker: str) -> None:
+        epoch = epochs[worker]
+        try:
+            start.wait()
+            for i in range(rounds):
+                ledger.renew_lease(worker, epoch, 60)
+                held = ledger.grant(worker, epoch, 2)
+                record = RequestCheckpoint(f"{worker}-r", [1, 2], "{}", list(range(i + 1)), i + 1, "decode", held)
+                ledger.checkpoint(worker, epoch, [record])
+                ledger.free(worker, epoch, held)
+                assert ledger.lease(worker).epoch == epoch
+                ledger.leases()
+                ledger.blocks()
+                ledger.request(f"{worker}-r")
+        except Exception as exc:  # failed in the main thread below, where pytest sees it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert [ledger.request(f"{w}-r").delivered for w in workers] == [rounds] * len(workers)
+    assert all(b.state == BlockState.FREE for b in ledger.blocks())
+    assert ledger.check_integrity() == []
+
+
+def test_integrity_check_reports_a_tampered_block(ledger, ledger_backend, clock):
+    if ledger_backend != "sqlite":
+        pytest.skip("tampers with the SQLite rows directly")
     e = ledger.acquire_lease("w0", 1, 5).epoch
     ledger.grant("w0", e, 1)
     ledger.db.execute("UPDATE blocks SET epoch = 999 WHERE id = 0")
@@ -229,7 +294,7 @@ def test_recorded_history_of_a_real_run_is_clean(ledger, clock):
     assert check_history(rec.history) == []
 
 
-def test_node_check_verifies_sealed_bytes_and_tables(tmp_path, clock):
+def test_node_check_verifies_sealed_bytes_and_tables(ledger_factory):
     import os
     import uuid
 
@@ -239,7 +304,7 @@ def test_node_check_verifies_sealed_bytes_and_tables(tmp_path, clock):
     arena = KVArena.create(
         f"/dev/shm/steadfast-integrity-{os.getpid()}-{uuid.uuid4().hex[:6]}.kv", ArenaSpec(4, 2, 4, 1, 8, "float32")
     )
-    led = SqliteLedger(str(tmp_path / "n.db"))  # real clock: check_node uses time.monotonic
+    led = ledger_factory("n")  # real clock: check_node uses time.monotonic
     try:
         led.format(4)
         e = led.acquire_lease("w0", 1, 60).epoch

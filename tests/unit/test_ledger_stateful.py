@@ -3,23 +3,27 @@
 Random sequences of acquire / renew / grant / write / seal / free / clock advance / lease expiry +
 fencing / reclaim, with injected crashes inside transactions, must never break an invariant of
 ARCHITECTURE.md §2: the ledger's own integrity check and the history checker stay clean throughout.
+Runs once per ledger backend (the `ledger_backend` fixture).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from steadfast.kv.history import RecordingLedger, check_history
-from steadfast.kv.ledger import BlockState, LeaseState, LedgerError
+from steadfast.kv.ledger import BlockState, LeaseState, Ledger, LedgerError
+from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.sqlite_ledger import SqliteLedger
+from tests.unit.conftest import ledger_url_in
 
 pytestmark = pytest.mark.unit
 
@@ -33,27 +37,38 @@ class InjectedCrash(Exception):
     """Stands for the process dying after its writes but before COMMIT."""
 
 
-class CrashableLedger(SqliteLedger):
-    crash_next = False
+def arm_crashes(ledger: Ledger, crash_now: Callable[[], bool]) -> None:
+    """Make each of the ledger's transactions ask `crash_now()` after its writes, before COMMIT, and
+    raise InjectedCrash there when it says so. It reaches into how each backend commits."""
+    if not isinstance(ledger, SqliteLedger):
+        raise NotImplementedError(f"no crash injection for {type(ledger).__name__}")
+    tx = ledger._tx
 
     @contextmanager
-    def _tx(self):
-        with super()._tx() as c:
+    def crashing_tx():
+        with tx() as c:
             yield c
-            if self.crash_next:
-                self.crash_next = False
+            if crash_now():
                 raise InjectedCrash()
+
+    ledger._tx = crashing_tx  # type: ignore[method-assign]
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
+    def __init__(self, backend: str) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="ledger-prop-")
         self.now = 0.0
-        self.inner = CrashableLedger(str(Path(self.dir) / "l.db"), clock=lambda: self.now)
+        self.crash_next = False
+        self.inner = open_ledger(ledger_url_in(backend, Path(self.dir), "l"), clock=lambda: self.now)
+        arm_crashes(self.inner, self._crash_now)
         self.inner.format(BLOCKS)
         self.ledger = RecordingLedger(self.inner)
         self.epochs: dict[str, list[int]] = {w: [] for w in WORKERS}  # every epoch each worker ever held
+
+    def _crash_now(self) -> bool:
+        crash, self.crash_next = self.crash_next, False
+        return crash
 
     def teardown(self) -> None:
         self.inner.close()
@@ -80,7 +95,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule()
     def crash_inside_next_transaction(self) -> None:
-        self.inner.crash_next = True
+        self.crash_next = True
 
     @rule(worker=st.sampled_from(WORKERS))
     def acquire(self, worker: str) -> None:
@@ -156,5 +171,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert b.owner is None
 
 
-LedgerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
-TestLedgerStateMachine = LedgerMachine.TestCase
+def test_ledger_state_machine(ledger_backend: str) -> None:
+    run_state_machine_as_test(
+        lambda: LedgerMachine(ledger_backend),
+        settings=settings(max_examples=300, stateful_step_count=50, deadline=None),
+    )

@@ -1,42 +1,47 @@
-"""The router's delivery rules, in-process: exactly once and in order, only from a request's current
-owner, regenerated tokens a client holds are swallowed; and a promoted standby's warm-up ramp."""
+"""The router's delivery rules, without sockets: exactly once and in order, only from a request's current
+owner, regenerated tokens a client holds are swallowed; and placement's KV reserve and a promoted
+standby's warm-up ramp."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from steadfast.config import TakeoverConfig
-from steadfast.control.engine_client import EngineClient, Flight
-from steadfast.protocol import AddRequest, RequestOutput, SamplingParams, StepOutputs, WorkerStatus
+from steadfast.control.delivery import Flight, Verdict, Watermark
+from steadfast.control.placement import Placement
+from steadfast.control.workers import WorkerRegistry
+from steadfast.protocol import AddRequest, RequestOutput, SamplingParams, WorkerRole, WorkerStatus
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
-def client(tmp_path):
-    c = EngineClient(
-        [(0, f"ipc://{tmp_path}/w0", "mixed"), (1, f"ipc://{tmp_path}/w1", "standby")],
-        f"ipc://{tmp_path}/out-{uuid.uuid4().hex[:6]}",
-        0.5,
-        TakeoverConfig(warmup=10.0),
-        max_in_flight=20,
-    )
-    yield c
-    c.ctx.destroy(linger=0)
+def placement() -> Placement:
+    registry = WorkerRegistry()
+    registry.add(0, "ipc://w0", WorkerRole.MIXED)
+    registry.add(1, "ipc://w1", WorkerRole.STANDBY)
+    return Placement(registry, TakeoverConfig(warmup=10.0), max_in_flight=20)
 
 
-def flight(client: EngineClient, owner: int, delivered: list[int], skip_until: int = 0) -> Flight:
-    f = Flight(AddRequest("r", [1, 2, 3], SamplingParams()), asyncio.Queue(), owner, list(delivered))
-    f.skip_until = skip_until
-    client._flights["r"] = f
-    return f
+def flight(owner: int, delivered: list[int], skip_until: int = 0) -> Flight:
+    mark = Watermark(owner, list(delivered), skip_until=skip_until)
+    return Flight(AddRequest("r", [1, 2, 3], SamplingParams()), asyncio.Queue(), mark)
 
 
-def out(index: int, token: int, text: str = "x") -> RequestOutput:
-    return RequestOutput("r", [token], text, index=index)
+def out(index: int, token: int, text: str = "x", finish: str | None = None) -> RequestOutput:
+    return RequestOutput("r", [token], text, index=index, finish_reason=finish)
+
+
+def deliver(f: Flight, worker: int, o: RequestOutput) -> Verdict:
+    """What the engine client does with a verdict: forward to the client's queue."""
+    verdict = f.mark.accept(o, worker)
+    if verdict is Verdict.FORWARD:
+        f.queue.put_nowait(o)
+    return verdict
 
 
 def forwarded(f: Flight) -> list[int]:
@@ -46,42 +51,87 @@ def forwarded(f: Flight) -> list[int]:
     return got
 
 
-def test_each_token_index_is_forwarded_once_in_order_from_the_owner_only(client):
-    f = flight(client, owner=0, delivered=[7, 8])
-    client._deliver(StepOutputs(0, [out(2, 9)]))
-    client._deliver(StepOutputs(0, [out(2, 9)]))  # the same index again: a duplicate
-    client._deliver(StepOutputs(1, [out(3, 10)]))  # a worker that does not own it (a zombie)
-    client._deliver(StepOutputs(0, [out(4, 11)]))  # a gap: never forwarded out of order
-    client._deliver(StepOutputs(0, [out(3, 10)]))
+def test_each_token_index_is_forwarded_once_in_order_from_the_owner_only():
+    f = flight(owner=0, delivered=[7, 8])
+    assert deliver(f, 0, out(2, 9)) is Verdict.FORWARD
+    assert deliver(f, 0, out(2, 9)) is Verdict.DUPLICATE  # the same index again
+    assert deliver(f, 1, out(3, 10)) is Verdict.NOT_OWNER  # a worker that does not own it (a zombie)
+    assert deliver(f, 0, out(4, 11)) is Verdict.GAP  # never forwarded out of order
+    assert deliver(f, 0, out(3, 10)) is Verdict.FORWARD
     assert forwarded(f) == [9, 10]
-    assert f.delivered == [7, 8, 9, 10] and f.text_chars == 2
+    assert f.mark.delivered == [7, 8, 9, 10] and f.mark.text_chars == 2
 
 
-def test_regenerated_tokens_the_client_holds_are_not_resent(client):
+def test_regenerated_tokens_the_client_holds_are_not_resent():
     # A reconnect after a router restart: the ledger knew 2 tokens, the client holds 4.
-    f = flight(client, owner=0, delivered=[7, 8], skip_until=4)
+    f = flight(owner=0, delivered=[7, 8], skip_until=4)
     for i, token in enumerate([9, 10, 11, 12], start=2):
-        client._deliver(StepOutputs(0, [out(i, token, "" if i < 4 else "y")]))
+        deliver(f, 0, out(i, token, "" if i < 4 else "y"))
     assert forwarded(f) == [11, 12]
-    assert f.delivered == [7, 8, 9, 10, 11, 12]
+    assert f.mark.delivered == [7, 8, 9, 10, 11, 12]
 
 
-def test_new_requests_leave_the_kv_reserve_to_takeovers(client):
-    w = client._workers[0]
-    w.status = WorkerStatus(0, 1, "mixed", "ready", kv_blocks_total=100, kv_blocks_used=89)
-    assert client.has_room(w)
-    w.status = WorkerStatus(0, 1, "mixed", "ready", kv_blocks_total=100, kv_blocks_used=90)
-    assert not client.has_room(w)  # the last 10 % waits for requests moved off a dead worker
+def test_a_change_of_owner_switches_delivery_at_the_watermark():
+    f = flight(owner=0, delivered=[7])
+    f.mark.moving = True  # the owner died: nobody answers for it until a new owner is chosen
+    assert deliver(f, 0, out(1, 8)) is Verdict.MOVING
+    f.mark.hand_to(2)
+    assert deliver(f, 0, out(1, 8)) is Verdict.NOT_OWNER  # the old owner, late
+    assert deliver(f, 2, out(1, 8)) is Verdict.FORWARD
+    assert deliver(f, 2, out(2, 9, finish="stop")) is Verdict.FORWARD
+    assert forwarded(f) == [8, 9] and f.mark.delivered == [7, 8, 9]
 
 
-def test_a_promoted_standby_ramps_up_its_share_of_new_requests(client):
-    standby = client._workers[1]
-    assert client.has_room(standby)  # never promoted: no ramp
-    client._promote(standby)
+def test_an_output_without_tokens_or_text_is_accepted_but_not_forwarded():
+    f = flight(owner=0, delivered=[7])
+    assert deliver(f, 0, RequestOutput("r", [], index=1)) is Verdict.EMPTY  # a transfer's outcome alone
+    assert forwarded(f) == [] and f.mark.delivered == [7]
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 12)), max_size=60),
+    st.integers(0, 2),
+)
+def test_whatever_arrives_the_client_gets_a_prefix_of_the_owners_tokens_once_each(events, owner):
+    """Outputs from any worker at any index, duplicated and out of order: the client gets exactly
+    the owner's tokens 0..n-1 in order, each once (token value = 100 * worker + index)."""
+    f = flight(owner=owner, delivered=[])
+    for worker, index in events:
+        deliver(f, worker, out(index, 100 * worker + index))
+    got = forwarded(f)
+    assert got == [100 * owner + i for i in range(len(got))]
+    assert f.mark.delivered == got
+
+
+def test_new_requests_leave_the_kv_reserve_to_takeovers(placement):
+    w = placement.registry.get(0)
+    placement.registry.observe(WorkerStatus(0, 1, "mixed", "ready", kv_blocks_total=100, kv_blocks_used=89))
+    assert placement.has_room(w)
+    placement.registry.observe(WorkerStatus(0, 1, "mixed", "ready", kv_blocks_total=100, kv_blocks_used=90))
+    assert not placement.has_room(w)  # the last 10 % waits for requests moved off a dead worker
+    assert len(w.history) == 2  # the registry keeps the window, not only the last report
+
+
+def test_a_promoted_standby_ramps_up_its_share_of_new_requests(placement):
+    standby = placement.registry.get(1)
+    assert placement.has_room(standby)  # never promoted: no ramp
+    placement.registry.promote(standby, WorkerRole.MIXED)
     t0 = standby.promoted_at
     standby.in_flight = {"a"}
-    assert not client.has_room(standby, now=t0)  # at first, one request at a time
-    assert client.has_room(standby, now=t0 + 5.0)  # half-way: up to 10 of 20
+    assert not placement.has_room(standby, now=t0)  # at first, one request at a time
+    assert placement.has_room(standby, now=t0 + 5.0)  # half-way: up to 10 of 20
     standby.in_flight = {str(i) for i in range(10)}
-    assert not client.has_room(standby, now=t0 + 5.0)
-    assert client.has_room(standby, now=t0 + 10.0)  # warm-up over: no limit from the ramp
+    assert not placement.has_room(standby, now=t0 + 5.0)
+    assert placement.has_room(standby, now=t0 + 10.0)  # warm-up over: no limit from the ramp
+
+
+def test_placement_prefers_the_dead_workers_node_then_load(placement):
+    r = placement.registry
+    r.add(2, "ipc://w2", WorkerRole.MIXED)
+    for wid, node in ((0, "a"), (1, "a"), (2, "b")):
+        role = "standby" if wid == 1 else "mixed"
+        r.observe(WorkerStatus(wid, 1, role, "ready", node=node))
+    r.get(0).in_flight = {"x", "y"}
+    assert placement.pick().worker_id == 2  # least loaded
+    assert placement.pick(node="a").worker_id == 0  # its KV is adoptable only on node a
+    assert placement.pick(exclude=0, roles=(WorkerRole.DECODE,), node="a").worker_id == 1  # a standby

@@ -8,8 +8,14 @@ import time
 
 import pytest
 
+from steadfast.config import TransferConfig
+from steadfast.env import transfer_fault_source
 from steadfast.kv.arena import ArenaSpec, KVArena
-from steadfast.kv.transfer import KVReceiver, KVSender, TransportFaults, layer_span, slots_for
+from steadfast.kv.moves.faults import TransportFaults, fault_switch
+from steadfast.kv.moves.packing import layer_span, slots_for
+from steadfast.kv.moves.receiver import KVReceiver
+from steadfast.kv.moves.retry import RetryPolicy
+from steadfast.kv.moves.sender import KVSender
 from tests.unit.fake_pool import FakePool
 
 pytestmark = pytest.mark.unit
@@ -162,3 +168,22 @@ def test_faults_parse_from_the_environment(monkeypatch):
     assert TransportFaults.from_env() == TransportFaults(delay_s=0.5, drop_every=2, path="alternate")
     monkeypatch.delenv("STEADFAST_TRANSFER_FAULTS")
     assert TransportFaults.from_env() is None
+
+
+def test_the_fault_spec_comes_from_config_and_a_faults_file_is_read_again_each_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("STEADFAST_TRANSFER_FAULTS", raising=False)
+    monkeypatch.delenv("STEADFAST_TRANSFER_FAULTS_FILE", raising=False)
+    assert fault_switch(transfer_fault_source(TransferConfig())) is None  # no drill: paths are never wrapped
+    switch = fault_switch(transfer_fault_source(TransferConfig(faults="corrupt_every=3,path=*")))
+    assert switch is not None and switch() == TransportFaults(corrupt_every=3, path="*")
+    f = tmp_path / "faults"
+    switch = fault_switch(transfer_fault_source(TransferConfig(faults="drop_every=1", faults_file=str(f))))
+    assert switch is not None and switch() is None  # the file wins; a missing one means no faults
+    f.write_text("stall_every=2,stall_s=0.1\n")
+    assert switch() == TransportFaults(stall_every=2, stall_s=0.1)
+
+
+def test_one_retry_policy_backs_off_exponentially():
+    assert RetryPolicy(3, 0.05).delays() == [0.05, 0.1, 0.2]
+    assert list(RetryPolicy(0, 0.05).tries()) == [0]
+    assert list(RetryPolicy(2, 0.0).tries()) == [0, 1, 2]

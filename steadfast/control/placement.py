@@ -1,0 +1,77 @@
+"""Placement: which worker takes a request — by role, node, load and KV headroom. The place where
+KV-aware routing and admission go.
+
+Pure decisions over the worker registry: nothing here sends a message. A choice that falls on a
+standby means "promote it to this role"; the engine client does that.
+"""
+
+from __future__ import annotations
+
+import time
+
+from steadfast.config import TakeoverConfig
+from steadfast.control.workers import WorkerHandle, WorkerRegistry
+from steadfast.protocol import WorkerRole
+
+# Roles that serve a request start to end, in order of preference (a decode worker computes the prompt
+# itself when no prefill worker can); a dead decode worker's requests go to another decode worker first.
+SERVE_ROLES = (WorkerRole.MIXED, WorkerRole.DECODE, WorkerRole.PREFILL)
+DECODE_ROLES = (WorkerRole.DECODE, WorkerRole.MIXED, WorkerRole.PREFILL)
+
+
+class Placement:
+    def __init__(self, registry: WorkerRegistry, takeover: TakeoverConfig, max_in_flight: int) -> None:
+        self.registry = registry
+        self.cfg = takeover
+        self.max_in_flight = max_in_flight
+
+    def pick(
+        self, exclude: int = -1, roles: tuple[WorkerRole, ...] = SERVE_ROLES, node: str = ""
+    ) -> WorkerHandle | None:
+        """The least loaded ready worker of the first of `roles` that has one, on `node` if one is
+        there (a dead worker's KV is adoptable only on its own node); when none has, a standby (of
+        `node` first), which the caller promotes to `roles[0]`."""
+        live = self.registry.live(exclude)
+        for role in roles:
+            candidates = [w for w in live if w.role == role]
+            if candidates:
+                return min(candidates, key=lambda w: (bool(node) and w.node != node, w.load, w.worker_id))
+        return self.standby(node, live)
+
+    def standby(self, node: str = "", live: list[WorkerHandle] | None = None) -> WorkerHandle | None:
+        standbys = [w for w in (self.registry.live() if live is None else live) if w.role == WorkerRole.STANDBY]
+        return min(standbys, key=lambda w: (bool(node) and w.node != node, w.worker_id), default=None)
+
+    def decode_target(self) -> WorkerHandle | None:
+        """Where a prefilled request decodes: a decode worker with room, by load then KV in use."""
+        live = [w for w in self.registry.live() if w.role == WorkerRole.DECODE]
+        return min(live, key=lambda w: (not self.has_room(w), w.load, w.kv_use), default=None)
+
+    def disaggregated(self) -> tuple[WorkerHandle, WorkerHandle] | None:
+        """A (prefill, decode) pair for a new request, when this deployment has both ready."""
+        if not self.registry.has_role(WorkerRole.PREFILL):
+            return None
+        prefill = self.pick(roles=(WorkerRole.PREFILL,))
+        decode = self.decode_target() if prefill is not None else None
+        return (prefill, decode) if prefill is not None and decode is not None else None
+
+    def has_room(self, w: WorkerHandle, now: float | None = None) -> bool:
+        """Whether `w` may take one more new request: it keeps its KV reserve for takeovers, and a
+        promoted standby ramps its limit up linearly from 1 over the warm-up period instead of taking
+        a full share of load at once."""
+        s = w.status
+        if s is not None and s.kv_blocks_total:
+            if s.kv_blocks_used >= (1 - self.cfg.reserve_fraction) * s.kv_blocks_total:
+                return False
+        warmup = self.cfg.warmup
+        if w.promoted_at is None or warmup <= 0:
+            return True
+        elapsed = (time.monotonic() if now is None else now) - w.promoted_at
+        if elapsed >= warmup:
+            return True
+        return w.load < max(1, int(self.max_in_flight * elapsed / warmup))
+
+    @property
+    def room_wait_s(self) -> float:
+        """How long a new request may wait for a worker with room before the least loaded takes it."""
+        return max(self.cfg.warmup, self.cfg.reserve_wait)

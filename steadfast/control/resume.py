@@ -1,0 +1,94 @@
+"""Stream resumption: what to send so a client reconnecting with `Last-Event-ID` continues where it is.
+
+The router's own record of a request that stopped streaming (finished, or its client left) is kept for
+the idempotency window; past it, or after a router restart, the newest checkpoint among the nodes'
+ledgers stands in. What a record lacks is regenerated (fixed seed per token index), never resent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from steadfast.control.delivery import Flight
+from steadfast.kv.ledger import LedgerError, RequestCheckpoint
+from steadfast.kv.ledger_url import open_ledger
+from steadfast.protocol import AddRequest, Resume, SamplingParams
+
+
+class UnknownRequestError(KeyError):
+    """A Last-Event-ID names a request this router does not know (never, or no longer)."""
+
+
+@dataclass
+class Retired:
+    """A request no longer streaming, kept for a reconnect."""
+
+    add: AddRequest
+    delivered: list[int]
+    owner: int
+    until: float  # monotonic deadline of the idempotency window
+
+
+@dataclass(frozen=True)
+class Known:
+    """What is known of a request to resume: as asked, the tokens on record, and who last ran it."""
+
+    add: AddRequest
+    tokens: list[int]
+    owner: int  # -1: no live worker to stop
+
+
+class Resumption:
+    def __init__(self, window_s: float, ledger_urls: list[str] | tuple[str, ...] = ()) -> None:
+        """`ledger_urls`: each node's ledger, where a restarted router finds requests it never saw."""
+        self.window_s = window_s
+        self.ledger_urls = list(ledger_urls)
+        self._retired: dict[str, Retired] = {}
+
+    def retire(self, flight: Flight) -> None:
+        now = time.monotonic()
+        for rid in [r for r, x in self._retired.items() if x.until < now]:
+            del self._retired[rid]
+        add = flight.add
+        self._retired[add.request_id] = Retired(add, flight.mark.delivered, flight.mark.owner, now + self.window_s)
+
+    def forget(self, request_id: str) -> None:
+        self._retired.pop(request_id, None)
+
+    def lookup(self, request_id: str) -> Known:
+        """The router's record within the window, else the ledgers'; UnknownRequestError if neither."""
+        known = self._retired.get(request_id)
+        if known is not None and known.until >= time.monotonic():
+            return Known(known.add, known.delivered, -1)  # (its stream already stopped it)
+        return self._from_ledger(request_id)
+
+    @staticmethod
+    def request(known: Known, have_tokens: int, have_chars: int) -> AddRequest:
+        """The request that continues a client holding `have_tokens` tokens and `have_chars` characters."""
+        add = known.add
+        resume = Resume(list(known.tokens[:have_tokens]), have_chars)
+        return AddRequest(add.request_id, add.prompt_ids, add.params, add.priority, resume=resume)
+
+    def _from_ledger(self, request_id: str) -> Known:
+        """The request's newest checkpoint among the nodes' ledgers (a request decoded on another
+        node than its prefill left a row there too, until the prefill worker let it go)."""
+        best: RequestCheckpoint | None = None
+        for url in self.ledger_urls:
+            try:
+                ledger = open_ledger(url)
+            except LedgerError:
+                continue  # a node's ledger unreadable now: the others may know the request
+            try:
+                ck = ledger.request(request_id)
+            finally:
+                ledger.close()
+            if ck is not None and (best is None or len(ck.generated_ids) > len(best.generated_ids)):
+                best = ck
+        if best is None:
+            raise UnknownRequestError(request_id)
+        params = msgspec.json.decode(best.params, type=SamplingParams)
+        owner = int(best.owner.removeprefix("worker")) if (best.owner or "").startswith("worker") else -1
+        return Known(AddRequest(request_id, best.prompt_ids, params), list(best.generated_ids), owner)

@@ -1,0 +1,159 @@
+"""Admission of one OpenAI request and the run of it: checks against the model and the workers' KV,
+sampling parameters fixed (seed included) at admission, and a generation that keeps the request's
+metrics while it runs. No HTTP routing here (api.py), no SSE framing (streams.py)."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from steadfast.control.engine_client import EngineClient
+from steadfast.control.errors import APIError
+from steadfast.control.metrics import Metrics
+from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
+from steadfast.model.tokenizer import GGUFTokenizer
+from steadfast.protocol import PRIORITIES, AddRequest, RequestOutput, SamplingParams
+
+
+@dataclass
+class ServingContext:
+    client: EngineClient
+    tokenizer: GGUFTokenizer
+    model_name: str
+    max_model_len: int
+    block_size: int
+    metrics: Metrics
+    created: int = 0
+
+
+@dataclass
+class Prepared:
+    request_id: str
+    prompt_ids: list[int]
+    add: AddRequest
+    include_usage: bool
+    return_token_ids: bool = False
+    # A reconnect (Last-Event-ID): the client holds this many tokens and characters of text already.
+    have_tokens: int = 0
+    have_chars: int = 0
+
+
+def prepare(
+    ctx: ServingContext,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    prefix: str,
+) -> Prepared:
+    limit = ctx.max_model_len
+    if len(prompt_ids) >= limit:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens, but your prompt has {len(prompt_ids)} tokens. "
+            "Please shorten the prompt.",
+            param="messages" if prefix == "chatcmpl" else "prompt",
+            code="context_length_exceeded",
+        )
+    room = limit - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    capacity = min(
+        (w.status.kv_blocks_total for w in ctx.client.workers if w.status and w.status.kv_blocks_total), default=0
+    )
+    needed = -(-(len(prompt_ids) + max_tokens) // ctx.block_size)
+    if capacity and needed > capacity:
+        raise APIError(
+            f"The request needs {needed} KV blocks ({len(prompt_ids) + max_tokens} tokens) but a worker holds only "
+            f"{capacity}. Reduce max_tokens or the prompt.",
+            param="max_tokens",
+            code="kv_capacity_exceeded",
+        )
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+    seed = body.seed if body.seed is not None else random.getrandbits(63)  # fixed at admission, kept with it
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=top_k,
+        seed=seed & ((1 << 63) - 1),
+        stop=body.stop_list,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+    )
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])
+    return Prepared(rid, prompt_ids, add, include_usage, body.return_token_ids)
+
+
+def check_model(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
+    if body.model != ctx.model_name:
+        raise APIError(
+            f"The model '{body.model}' does not exist. This server serves '{ctx.model_name}'.",
+            404,
+            type_="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    bad = body.unsupported()
+    if bad:
+        raise APIError(f"Unsupported parameter '{bad[0]}': {bad[1]}.", param=bad[0], code="unsupported_parameter")
+
+
+class Generation:
+    """Runs one request against the workers and keeps the metrics of its life."""
+
+    def __init__(self, ctx: ServingContext, prepared: Prepared) -> None:
+        self.ctx = ctx
+        self.p = prepared
+        self.arrival = time.perf_counter()
+        self.last = self.arrival
+        self.completion_tokens = prepared.have_tokens
+        self.text_chars = prepared.have_chars
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        m = self.ctx.metrics
+        m.request_started()
+        m.prompt_tokens.inc(len(self.p.prompt_ids))
+        first = True
+        try:
+            async for out in self.ctx.client.generate(self.p.add, skip_until=self.p.have_tokens):
+                now = time.perf_counter()
+                if out.token_ids:
+                    if first:
+                        m.first_token(now - self.arrival)
+                        first = False
+                    else:
+                        m.tpot.observe((now - self.last) / len(out.token_ids))
+                    self.last = now
+                    self.completion_tokens += len(out.token_ids)
+                    self.text_chars += len(out.text)
+                    self.cached_tokens = out.num_cached_tokens
+                    m.tokens(len(out.token_ids))
+                if out.finish_reason is not None:
+                    self.finish_reason = out.finish_reason
+                    m.requests.labels(out.finish_reason).inc()
+                    m.e2e.observe(now - self.arrival)
+                yield out
+        finally:
+            if first:
+                m.request_ended_before_first_token()
+            if self.finish_reason is None:
+                m.requests.labels("abort").inc()
+
+
+def error_output(out: RequestOutput) -> APIError:
+    return APIError(out.error or "the request failed in the engine", 500, type_="server_error", code="engine_error")

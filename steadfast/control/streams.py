@@ -1,0 +1,185 @@
+"""Answers to an admitted request: an SSE stream whose event ids are resume points (`Last-Event-ID`),
+or one JSON body once the request is done; a client that leaves aborts its request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from steadfast.control.engine_client import EngineDeadError
+from steadfast.control.errors import APIError
+from steadfast.control.resume import UnknownRequestError
+from steadfast.control.serving import Generation, Prepared, ServingContext, error_output
+from steadfast.protocol import FinishReason
+
+_json = msgspec.json.Encoder()
+
+
+def sse(data: dict[str, Any] | str, event_id: str = "") -> bytes:
+    payload = data.encode() if isinstance(data, str) else _json.encode(data)
+    head = f"id: {event_id}\n".encode() if event_id else b""
+    return head + b"data: " + payload + b"\n\n"
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(gen: Generation, http: Request) -> tuple[str, list[int]] | None:
+    """All of a non-streamed request's text, or None if the client left first (request aborted)."""
+
+    async def run() -> tuple[str, list[int]]:
+        texts, ids = [], []
+        async for out in gen.outputs():
+            if out.finish_reason == FinishReason.ERROR:
+                raise error_output(out)
+            texts.append(out.text)
+            ids.extend(out.token_ids)
+        return "".join(texts), ids
+
+    work = asyncio.ensure_future(run())
+    gone = asyncio.ensure_future(until_disconnected(http))
+    done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        gone.cancel()
+        return work.result()
+    work.cancel()
+    try:
+        await work
+    except (asyncio.CancelledError, APIError):
+        pass
+    return None
+
+
+async def respond(
+    ctx: ServingContext,
+    prepared: Prepared,
+    stream: bool,
+    http: Request,
+    streamer: Callable[[ServingContext, Generation], AsyncIterator[bytes]],
+    obj: str,
+    choice: Callable[[str], dict[str, Any]],
+) -> Response:
+    """Run an admitted request: an SSE stream, or one JSON body once it is done. A stream request
+    carrying `Last-Event-ID` continues the request that event belongs to instead of starting anew."""
+    last_event = http.headers.get("last-event-id")
+    if last_event and stream:
+        prepared = await reconnect(ctx, prepared, last_event)
+    gen = Generation(ctx, prepared)
+    if stream:
+        return StreamingResponse(streamer(ctx, gen), media_type="text/event-stream")
+    result = await collect(gen, http)
+    if result is None:
+        return Response(status_code=499)  # the client left; its request was aborted
+    text, ids = result
+    first = {**choice(text), "finish_reason": gen.finish_reason}
+    if prepared.return_token_ids:
+        first["token_ids"] = ids
+    body = {
+        "id": prepared.request_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": [first],
+        "usage": usage(len(prepared.prompt_ids), gen.completion_tokens, gen.cached_tokens),
+    }
+    return JSONResponse(body)
+
+
+async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str) -> Prepared:
+    try:
+        rid, tokens, chars = last_event.rsplit(":", 2)
+        have_tokens, have_chars = int(tokens), int(chars)
+        if have_tokens < 0 or have_chars < 0:
+            raise ValueError
+    except ValueError:
+        raise APIError(
+            f"Last-Event-ID {last_event!r} is not an id this server sent ('<request id>:<tokens>:<chars>').",
+            param="Last-Event-ID",
+            code="invalid_last_event_id",
+        ) from None
+    try:
+        add, skip = await ctx.client.resumption(rid, have_tokens, have_chars)
+    except UnknownRequestError:
+        raise APIError(
+            f"Request {rid} is unknown here or older than the idempotency window; it cannot be resumed.",
+            404,
+            type_="not_found_error",
+            param="Last-Event-ID",
+            code="request_not_found",
+        ) from None
+    return Prepared(rid, add.prompt_ids, add, prepared.include_usage, prepared.return_token_ids, skip, have_chars)
+
+
+async def stream(
+    ctx: ServingContext, gen: Generation, obj: str, make_choice: Any, first: dict | None
+) -> AsyncIterator[bytes]:
+    p = gen.p
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], event_id: str = "", **extra: Any) -> bytes:
+        return sse(
+            {
+                "id": p.request_id,
+                "object": obj,
+                "created": created,
+                "model": ctx.model_name,
+                "choices": choices,
+                **extra,
+            },
+            event_id,
+        )
+
+    outputs = gen.outputs()
+    try:
+        if first is not None and not p.have_tokens:
+            yield chunk([{"index": 0, **first, "logprobs": None, "finish_reason": None}])
+        async for out in outputs:
+            if out.finish_reason == FinishReason.ERROR:
+                yield sse(error_output(out).body())
+                break
+            if out.text or out.finish_reason or (p.return_token_ids and out.token_ids):
+                choice = make_choice(out.text, out.finish_reason)
+                if p.return_token_ids:
+                    choice["token_ids"] = out.token_ids
+                # The event id says what the client holds after it (tokens, characters): a resume point.
+                yield chunk([choice], f"{p.request_id}:{gen.completion_tokens}:{gen.text_chars}")
+        if p.include_usage:
+            yield chunk([], usage=usage(len(p.prompt_ids), gen.completion_tokens, gen.cached_tokens))
+        yield sse("[DONE]")
+    except EngineDeadError as exc:
+        yield sse(APIError(str(exc), 503, type_="service_unavailable").body())
+    finally:
+        await outputs.aclose()
+
+
+def stream_completion(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:
+    def choice(text: str, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+    return stream(ctx, gen, "text_completion", choice, None)
+
+
+def stream_chat(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:
+    def choice(text: str, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
+
+    return stream(ctx, gen, "chat.completion.chunk", choice, {"delta": {"role": "assistant", "content": ""}})

@@ -1,0 +1,139 @@
+"""The router's registry of workers: who each is (role, node), how it has been (a window of its status
+reports, not only the last), whether it is alive, and which requests the router sent it.
+
+Pure state, no sockets and no event loop: the engine client does the I/O and tells the registry what
+it heard. Placement, recovery and (later) health read it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from steadfast.protocol import WorkerRole, WorkerState, WorkerStatus
+
+STATUS_HISTORY = 120  # reports kept per worker: two minutes at the default 1 s interval
+
+
+class Liveness(enum.Enum):
+    ALIVE = "alive"
+    SILENT = "silent"  # no report past the limit: no new requests until it reports again
+    DEAD = "dead"  # reaped and fenced by the supervisor: its requests move
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: int
+    address: str
+    role: WorkerRole = WorkerRole.MIXED
+    history: deque[tuple[float, WorkerStatus]] = field(default_factory=lambda: deque(maxlen=STATUS_HISTORY))
+    last_seen: float = 0.0
+    liveness: Liveness = Liveness.ALIVE
+    promoted_at: float | None = None  # when a standby started taking traffic (its warm-up ramp)
+    in_flight: set[str] = field(default_factory=set)
+
+    @property
+    def status(self) -> WorkerStatus | None:
+        return self.history[-1][1] if self.history else None
+
+    @property
+    def dead(self) -> bool:
+        return self.liveness is Liveness.DEAD
+
+    @property
+    def ready(self) -> bool:
+        s = self.status
+        return self.liveness is Liveness.ALIVE and s is not None and s.state == WorkerState.READY
+
+    @property
+    def active(self) -> bool:
+        return self.role != WorkerRole.STANDBY
+
+    @property
+    def node(self) -> str:
+        s = self.status
+        return s.node if s is not None else ""
+
+    @property
+    def load(self) -> int:
+        # Requests the router sent that the worker has not finished, whatever its last report says.
+        return len(self.in_flight)
+
+    @property
+    def kv_use(self) -> float:
+        s = self.status
+        return s.kv_blocks_used / s.kv_blocks_total if s is not None and s.kv_blocks_total else 0.0
+
+
+class WorkerRegistry:
+    def __init__(self) -> None:
+        self._workers: dict[int, WorkerHandle] = {}
+
+    def __iter__(self) -> Iterator[WorkerHandle]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, worker_id: int) -> WorkerHandle | None:
+        return self._workers.get(worker_id)
+
+    def add(self, worker_id: int, address: str, role: WorkerRole) -> WorkerHandle:
+        handle = WorkerHandle(worker_id, address, WorkerRole(role))
+        self._workers[worker_id] = handle
+        return handle
+
+    def remove(self, worker_id: int) -> None:
+        self._workers.pop(worker_id, None)
+
+    def observe(self, status: WorkerStatus, now: float | None = None) -> WorkerHandle | None:
+        """Record a status report; None when the worker is not (or no longer) registered."""
+        w = self._workers.get(status.worker_id)
+        if w is None:
+            return None
+        if w.status is None and w.role != status.role:
+            w.role = status.role  # a restarted router learns who was promoted from the workers
+        now = time.monotonic() if now is None else now
+        w.history.append((now, status))
+        w.last_seen = now
+        return w
+
+    def seen(self, worker_id: int, now: float | None = None) -> None:
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.last_seen = time.monotonic() if now is None else now
+
+    def sweep_silent(self, limit_s: float, now: float | None = None) -> list[WorkerHandle]:
+        """Mark workers silent past `limit_s` (and those reporting again alive); return the newly silent."""
+        now = time.monotonic() if now is None else now
+        newly = []
+        for w in self._workers.values():
+            s = w.status
+            if s is None or w.dead or s.state == WorkerState.LOADING:
+                continue
+            silent = now - w.last_seen > limit_s
+            if silent and w.liveness is Liveness.ALIVE:
+                newly.append(w)
+            w.liveness = Liveness.SILENT if silent else Liveness.ALIVE
+        return newly
+
+    @staticmethod
+    def promote(w: WorkerHandle, role: WorkerRole, now: float | None = None) -> None:
+        """A standby takes traffic as `role` from now on, ramping up over the warm-up period."""
+        w.role = role
+        w.promoted_at = time.monotonic() if now is None else now
+
+    @property
+    def ready(self) -> bool:
+        """Every worker taking traffic is ready, and there is at least one (standbys may be loading)."""
+        active = [w for w in self._workers.values() if w.active and not w.dead]
+        return bool(active) and all(w.ready for w in active)
+
+    def live(self, exclude: int = -1) -> list[WorkerHandle]:
+        return [w for w in self._workers.values() if w.ready and w.worker_id != exclude]
+
+    def has_role(self, role: WorkerRole) -> bool:
+        return any(w.role == role and w.ready for w in self._workers.values())

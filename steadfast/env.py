@@ -1,0 +1,79 @@
+"""Environment variables: the one module of Steadfast that reads them (STYLE; mini-sglang `env.py`).
+
+A leaf: standard library only at run time, so any module, config included, may import it and the
+router stays free of torch. Each variable is read when its function is called, not at import.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from steadfast.config import TransferConfig
+
+
+def model_path() -> str:
+    """STEADFAST_MODEL: the GGUF file served when no --model is given; empty if unset."""
+    return os.environ.get("STEADFAST_MODEL", "")
+
+
+def log_level() -> str:
+    """STEADFAST_LOG_LEVEL, upper-cased; INFO if unset."""
+    return os.environ.get("STEADFAST_LOG_LEVEL", "INFO").upper()
+
+
+def transfer_fault_source(cfg: TransferConfig) -> Callable[[], str] | None:
+    """The KV transfer fault drill's spec text, asked for at the start of every transfer: the faults
+    file's content (missing file: no faults) when one is named, else the `faults` spec; the environment
+    variables stand in for unset keys. None when no drill is configured at all.
+
+    Test and chaos hooks only: nothing sets these outside fault-injection runs.
+    """
+    where = cfg.faults_file or os.environ.get("STEADFAST_TRANSFER_FAULTS_FILE", "")
+    if where:
+
+        def read() -> str:
+            try:
+                with open(where) as f:
+                    return f.read().strip()
+            except FileNotFoundError:
+                return ""
+
+        return read
+    spec = cfg.faults or os.environ.get("STEADFAST_TRANSFER_FAULTS", "")
+    return (lambda: spec) if spec else None
+
+
+def failpoint(name: str) -> tuple[float, int] | None:
+    """(seconds to stall, on which hit) for the named failpoint, from STEADFAST_FAILPOINTS="name=seconds[@hit],…".
+
+    Test hooks only: nothing sets this variable outside fault-injection tests.
+    """
+    for item in os.environ.get("STEADFAST_FAILPOINTS", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == name and value:
+            seconds, _, hit = value.partition("@")
+            return float(seconds), int(hit or 1)
+    return None
+
+
+def failpoint_dir() -> str | None:
+    """Where a reached failpoint leaves a marker file, so a test knows the fault really happened."""
+    return os.environ.get("STEADFAST_FAILPOINT_DIR")
+
+
+def torch_threads() -> int:
+    """Threads for intra-op parallelism in a worker: STEADFAST_THREADS, else all cores."""
+    value = os.environ.get("STEADFAST_THREADS")
+    return int(value) if value else (os.cpu_count() or 1)
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels are kept: STEADFAST_KERNEL_DIR, else the user's cache directory."""
+    value = os.environ.get("STEADFAST_KERNEL_DIR")
+    if value:
+        return Path(value)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steadfast" / "kernels"

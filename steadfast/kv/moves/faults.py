@@ -1,0 +1,104 @@
+"""Fault injection for KV transfers (tests, chaos drills): `TransportFaults` says what to do to chunks
+(delay, drop, corrupt, stall) and on which path; `FaultyPath` wraps any `Transport` and does it on the
+sending side, behind the same interface, so neither the real path nor the receiver knows about drills.
+
+Where the fault spec comes from (config, or the variables `steadfast.env` reads) is `steadfast.env`'s
+business: this module must never read the environment or a file, and must never retry or resend.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from steadfast.config import TransferConfig
+from steadfast.env import transfer_fault_source
+from steadfast.kv.moves.transport import Transport
+from steadfast.kv.moves.wire import KVAbort, KVAck, KVChunk, KVCommit
+
+FaultSwitch = Callable[[], "TransportFaults | None"]
+
+
+@dataclass(frozen=True)
+class TransportFaults:
+    """Faults injected on the sending side of one path (tests, chaos drills). `every`: which chunks
+    (1 = all, 3 = every third). A stalled chunk holds the path for `stall_s` first."""
+
+    delay_s: float = 0.0
+    drop_every: int = 0
+    corrupt_every: int = 0
+    stall_every: int = 0
+    stall_s: float = 0.0
+    path: str = "primary"  # the path they apply to; "*" for every path
+
+    @classmethod
+    def parse(cls, spec: str) -> TransportFaults | None:
+        """`'drop_every=2,path=primary'` → faults; None for an empty spec."""
+        if not spec:
+            return None
+        values: dict[str, object] = {}
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            kind = cls.__dataclass_fields__[key.strip()].type
+            values[key.strip()] = value.strip() if kind == "str" else (float if "float" in kind else int)(value)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls) -> TransportFaults | None:
+        """The faults the default config's sources hold now (`STEADFAST_TRANSFER_FAULTS`, or the file
+        named by `STEADFAST_TRANSFER_FAULTS_FILE`, read by `steadfast.env`); None when neither is set."""
+        source = transfer_fault_source(TransferConfig())
+        return cls.parse(source()) if source is not None else None
+
+    def applies_to(self, path_name: str) -> bool:
+        return self.path in (path_name, "*")
+
+
+def fault_switch(spec_source: Callable[[], str] | None) -> FaultSwitch | None:
+    """A fault switch over a spec source (`steadfast.env.transfer_fault_source`): asked again for
+    every transfer, so a drill can change the spec while the server runs. None when there is no source."""
+    if spec_source is None:
+        return None
+    return lambda: TransportFaults.parse(spec_source())
+
+
+class FaultyPath:
+    """A `Transport` that does `faults` to the chunks it passes on to `inner`. The chunk count behind
+    each `every` runs across transfers, whatever their faults (None: chunks pass untouched)."""
+
+    def __init__(self, inner: Transport, faults: TransportFaults | None = None) -> None:
+        self.inner, self.name = inner, inner.name
+        self.faults = faults
+        self.sent = 0
+
+    def arm(self, faults: TransportFaults | None) -> None:
+        """The faults of the transfer about to use this path, if they are meant for it."""
+        self.faults = faults if faults is not None and faults.applies_to(self.name) else None
+
+    def send_chunk(self, chunk: KVChunk) -> int:
+        self.sent += 1
+        f = self.faults
+        if f is not None:
+            if f.delay_s:
+                time.sleep(f.delay_s)
+            if f.stall_every and self.sent % f.stall_every == 0:
+                time.sleep(f.stall_s)
+            if f.drop_every and self.sent % f.drop_every == 0:
+                return 0
+            if f.corrupt_every and self.sent % f.corrupt_every == 0:
+                flipped = bytearray(chunk.data)
+                flipped[len(flipped) // 2] ^= 0xFF
+                chunk = msgspec.structs.replace(chunk, data=bytes(flipped))
+        return self.inner.send_chunk(chunk)
+
+    def send(self, msg: KVCommit | KVAbort) -> None:
+        self.inner.send(msg)
+
+    def wait_ack(self, request_id: str, attempt: int, timeout_s: float) -> KVAck | None:
+        return self.inner.wait_ack(request_id, attempt, timeout_s)
+
+    def close(self) -> None:
+        self.inner.close()

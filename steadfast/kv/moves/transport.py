@@ -1,0 +1,78 @@
+"""Transport paths for KV transfers: the interface a sender talks to (`Transport`) and the ZeroMQ path
+that implements it (`ZmqPath`: a DEALER socket to a receiver's ROUTER address over TCP).
+
+This is the only module that knows about the sending side of ZeroMQ; another transport (NIXL, RDMA)
+replaces `ZmqPath` behind the same interface. A path must never retry, back off, inject faults or
+block without a bound: a path that cannot take data raises `PathDownError` and the sender decides.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import zmq
+
+from steadfast.kv.moves.wire import KVAbort, KVAck, KVChunk, KVCommit, decode_ack, encode
+
+
+class PathDownError(ConnectionError):
+    """A transport path cannot take data now (no peer connected, or it stopped reading)."""
+
+
+class Transport(Protocol):
+    """One path to a receiver."""
+
+    name: str  # "primary", "alternate", ...: what results and metrics call it
+
+    def send_chunk(self, chunk: KVChunk) -> int:
+        """Send one chunk; returns the bytes of K/V put on the wire (0 when none went)."""
+        ...
+
+    def send(self, msg: KVCommit | KVAbort) -> None: ...
+
+    def wait_ack(self, request_id: str, attempt: int, timeout_s: float) -> KVAck | None:
+        """The receiver's answer to that attempt's commit, or None when none came in `timeout_s`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ZmqPath:
+    """One transport path to a receiver: a DEALER socket to its ROUTER address."""
+
+    def __init__(self, ctx: zmq.Context, name: str, address: str, send_timeout_s: float) -> None:
+        self.name, self.address = name, address
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # Nothing queued for a peer that is not connected, and no send waits long: a dead receiver
+        # must fail the attempt (PathDownError), never hang the sender.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
+        self.sock.connect(address)
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.sock.send(data, copy=False)
+        except zmq.Again as exc:
+            raise PathDownError(f"{self.name} path to {self.address} is not taking data") from exc
+
+    def send_chunk(self, chunk: KVChunk) -> int:
+        self._send(encode(chunk))
+        return len(chunk.data)
+
+    def send(self, msg: KVCommit | KVAbort) -> None:
+        self._send(encode(msg))
+
+    def wait_ack(self, request_id: str, attempt: int, timeout_s: float) -> KVAck | None:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000) + 1):
+                return None
+            ack = decode_ack(self.sock.recv())
+            if ack.request_id == request_id and ack.attempt == attempt:
+                return ack
+        return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -1,0 +1,133 @@
+"""What the supervisor starts: one spec per child process — its kind, its command line, and what to do
+when it exits. The launcher and the fault-test harness build command lines only through these, so a
+flag changes in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+from steadfast.kv.spec import ArenaSpec
+from steadfast.protocol import WorkerRole
+
+
+class ChildKind(enum.Enum):
+    POOL = "kvpool"
+    WORKER = "worker"
+    ROUTER = "router"
+
+
+class OnExit(enum.Enum):
+    RESTART = "restart"  # start it again with the same command (a pool re-attaches arena and ledger)
+    REPLACE = "replace"  # a worker: fence it, move its requests, start a standby in its place later
+    RESTART_ROUTER = "restart_router"  # again, on the workers alive now; clients resume by Last-Event-ID
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    kind: ChildKind
+    name: str  # unique among the children; a worker's is its lease name ("worker3")
+    argv: tuple[str, ...]  # the module to run and its arguments
+    on_exit: OnExit
+    worker_id: int = -1
+    node: int = 0  # the pool node a worker or pool belongs to
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", *self.argv]
+
+
+def pool_name(index: int) -> str:
+    return "kvpool" if index == 0 else f"kvpool{index}"
+
+
+def pool_spec(
+    cfg_json: str,
+    index: int,
+    address: str,
+    arena_path: str,
+    ledger_url: str,
+    spec: ArenaSpec,
+    ready_file: str,
+    device: str,
+) -> ChildSpec:
+    argv = (
+        "steadfast.kv.pool",
+        "--config-json",
+        cfg_json,
+        "--address",
+        address,
+        "--arena",
+        arena_path,
+        "--ledger",
+        ledger_url,
+        "--spec-json",
+        json.dumps(asdict(spec)),
+        "--ready-file",
+        ready_file,
+        "--device",
+        device,
+    )
+    return ChildSpec(ChildKind.POOL, pool_name(index), argv, OnExit.RESTART, node=index)
+
+
+@dataclass(frozen=True)
+class ArenaSource:
+    """Where a worker's KV arena comes from: its node's pool, a private file, or its own device memory."""
+
+    pool: str = ""
+    arena_file: str = ""
+    device: bool = False
+
+    def argv(self) -> tuple[str, ...]:
+        if self.pool:
+            return ("--pool", self.pool)
+        if self.device:
+            return ("--device-arena",)
+        return ("--arena", self.arena_file)
+
+
+def worker_spec(
+    cfg_json: str,
+    worker_id: int,
+    input_address: str,
+    output_address: str,
+    role: WorkerRole,
+    arena: ArenaSource,
+    node: int = 0,
+) -> ChildSpec:
+    argv = (
+        "steadfast.worker.main",
+        "--config-json",
+        cfg_json,
+        "--worker-id",
+        str(worker_id),
+        "--input",
+        input_address,
+        "--output",
+        output_address,
+        "--role",
+        str(role),
+        *arena.argv(),
+    )
+    return ChildSpec(ChildKind.WORKER, f"worker{worker_id}", argv, OnExit.REPLACE, worker_id, node)
+
+
+def router_spec(
+    cfg_json: str,
+    output_address: str,
+    ledger_urls: list[str],
+    active: list[tuple[int, str]],
+    standbys: list[tuple[int, str]],
+) -> ChildSpec:
+    """`active`, `standbys`: (worker id, input address). A restarted router learns each worker's
+    current role from its first status report."""
+    argv = ["steadfast.control.main", "--config-json", cfg_json, "--output", output_address]
+    for url in ledger_urls:
+        argv += ["--ledger", url]
+    for flag, workers in (("--worker", active), ("--standby", standbys)):
+        for worker_id, address in workers:
+            argv += [flag, f"{worker_id}={address}"]
+    return ChildSpec(ChildKind.ROUTER, "router", tuple(argv), OnExit.RESTART_ROUTER)

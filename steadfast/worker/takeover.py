@@ -1,0 +1,42 @@
+"""Takeover: continue a request a dead worker was serving, choosing per request how its KV comes back
+(ARCHITECTURE.md §3). A takeover is a move whose source was fenced: nothing is copied, the sealed
+blocks whose hashes verify change owner in one ledger transaction (adopt), the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from steadfast.kv.block_manager import BlockManager
+from steadfast.kv.ledger import LedgerError
+from steadfast.protocol import Route
+from steadfast.worker.ledger_sync import LedgerSync
+from steadfast.worker.request import Request
+
+log = logging.getLogger("steadfast.worker.engine")
+
+
+def recover(mode: str, sync: LedgerSync | None, blocks: BlockManager, request: Request) -> tuple[Route, int]:
+    """Pick the takeover route for `request`; return it and how many tokens of KV were adopted.
+
+    ledger_first adopts the dead worker's sealed, hash-verified blocks and recomputes only the tail;
+    rebuild recomputes prompt and delivered tokens. auto adopts whenever anything verifies (hashing a
+    block costs far less than recomputing it). Any disagreement between ledger and arena means
+    rebuild: suspect bytes are never adopted.
+    """
+    if sync is None or mode == "rebuild":
+        return Route.REBUILD, 0
+    bs = blocks.block_size
+    ids = request.all_ids
+    names = blocks.chain(ids, (len(ids) - 1) // bs)
+    # Blocks whose content this worker already caches need no adoption.
+    plan = sync.adoptable(names, lambda pos: blocks.is_cached(names[pos]))
+    if not plan:
+        return Route.REBUILD, 0
+    try:
+        sync.adopt([(b, h) for _, b, h in plan])
+    except LedgerError as exc:  # taken by someone else meanwhile: recompute rather than share
+        log.warning("request %s: adoption refused (%s); rebuilding", request.request_id, exc)
+        return Route.REBUILD, 0
+    blocks.adopt(ids, [(pos, b) for pos, b, _ in plan])
+    return Route.LEDGER_FIRST, (plan[-1][0] + 1) * bs

@@ -1,0 +1,72 @@
+"""Ledger URLs: which store each names, and a clear error for those this build cannot open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from steadfast.kv.ledger import BackendNotAvailableError, LedgerError, LedgerUnavailableError, LedgerUrlError
+from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
+from steadfast.kv.sqlite_ledger import SqliteLedger
+
+pytestmark = pytest.mark.unit
+
+
+def _opens_file(url: str, path: Path) -> None:
+    ledger = open_ledger(url)
+    try:
+        assert isinstance(ledger, SqliteLedger) and Path(ledger.path).resolve() == path.resolve()
+        ledger.format(2)
+        assert len(ledger.blocks()) == 2
+    finally:
+        ledger.close()
+    assert path.exists()
+
+
+def test_sqlite_urls_absolute_relative_and_plain_paths(tmp_path, monkeypatch):
+    _opens_file(f"sqlite://{tmp_path}/abs.db", tmp_path / "abs.db")
+    monkeypatch.chdir(tmp_path)
+    _opens_file("sqlite:rel.db", tmp_path / "rel.db")
+    (tmp_path / "sub").mkdir()
+    _opens_file("SQLite:sub/../rel2.db", tmp_path / "rel2.db")  # schemes are case-insensitive
+    _opens_file(str(tmp_path / "plain.db"), tmp_path / "plain.db")
+    _opens_file("plain2.db", tmp_path / "plain2.db")
+
+
+def test_sqlite_url_is_absolute_and_siblings_sit_beside_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert sqlite_url("l.db") == f"sqlite://{tmp_path}/l.db"
+    assert sibling_ledger_url(f"sqlite://{tmp_path}/l.db", "-node1") == f"sqlite://{tmp_path}/l-node1.db"
+    assert sibling_ledger_url("l.db", "") == f"sqlite://{tmp_path}/l.db"
+
+
+@pytest.mark.parametrize("url", ["etcd://127.0.0.1:2379", "etcd+https://a:2379,b:2379/steadfast"])
+def test_etcd_is_known_but_not_available_yet(url):
+    with pytest.raises(BackendNotAvailableError, match="etcd backend is not available yet"):
+        open_ledger(url)
+    with pytest.raises(BackendNotAvailableError):
+        sibling_ledger_url(url, "-node1")
+
+
+@pytest.mark.parametrize(
+    "url, fragment",
+    [
+        ("redis://localhost/0", "unknown scheme 'redis'"),
+        ("postgres:ledger", "unknown scheme 'postgres'"),
+        ("sqlite://host/ledger.db", "sqlite:///absolute/path"),
+        ("sqlite:", "names no file"),
+        ("sqlite://", "names no file"),
+        ("", "empty ledger URL"),
+    ],
+)
+def test_a_url_naming_no_store_is_refused_clearly(url, fragment):
+    with pytest.raises(LedgerUrlError) as err:
+        open_ledger(url)
+    assert fragment in str(err.value)
+    assert isinstance(err.value, LedgerError)  # callers catch the interface's errors only
+
+
+def test_a_file_that_cannot_be_opened_is_the_ledgers_own_error(tmp_path):
+    with pytest.raises(LedgerUnavailableError, match="unable to open"):
+        open_ledger(sqlite_url(tmp_path / "no-such-dir" / "l.db"))
