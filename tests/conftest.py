@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model, an fp32 engine, the transformers reference, arenas."""
+"""Shared fixtures: the default model, the small model (the default cut to a few layers), an fp32
+engine, the transformers reference, arenas."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from steadfast.config import Config, default_model_path
 from steadfast.kv.arena import KVArena
 from steadfast.kv.spec import arena_spec
 from steadfast.worker.engine import Engine, LoadedModel, load_model
+from tests.small_gguf import truncate
+
+SMALL_LAYERS = 4  # enough for every code path (layer-wise transfer, prefix blocks), a seventh of the compute
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, pause: Callable[[], object] | None = None):
@@ -59,6 +63,28 @@ def fp32_config() -> Config:
 @pytest.fixture(scope="session")
 def fp32_model(fp32_config: Config) -> LoadedModel:
     return load_model(fp32_config)
+
+
+@pytest.fixture(scope="session")
+def small_model_path(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
+    """The default model cut to its first layers, for the fault and protocol tests that compare a
+    server with the in-process engine rather than with `transformers`: the same tokenizer, weights
+    and code paths at a fraction of the cost (the suite's time goes to these tests)."""
+    out = tmp_path_factory.mktemp("small-model") / f"SmolLM2-135M-Instruct-{SMALL_LAYERS}-layers.gguf"
+    truncate(model_path, str(out), SMALL_LAYERS)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def small_config(small_model_path: str) -> Config:
+    return Config().replace(
+        model={"path": small_model_path, "dtype": "float32", "device": "cpu"}, cache={"num_blocks": 512}
+    )
+
+
+@pytest.fixture(scope="session")
+def small_model(small_config: Config) -> LoadedModel:
+    return load_model(small_config)
 
 
 @pytest.fixture

@@ -317,8 +317,18 @@ class EngineClient:
         limit = max(5 * self.status_interval_s, 3.0)
         while True:
             await asyncio.sleep(self.status_interval_s)
+            if self._behind():
+                continue  # reports are waiting unread: the silence is the router's, not the workers'
             for w in self.registry.sweep_silent(limit):
                 log.error("worker %d silent for %.1fs: no new requests until it reports", w.worker_id, limit)
+
+    def _behind(self) -> bool:
+        """Messages wait on the output socket: a starved router (niced, on a loaded machine) has not
+        read what its workers sent, so how long it last heard from one says nothing of the worker."""
+        try:
+            return bool(self._pull.get(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
 
     async def _lost(self, w: WorkerHandle) -> None:
         """Stop listening to a worker and move each of its requests, high priority first."""

@@ -47,6 +47,10 @@ async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], outpu
     )
     client.on_handoff = ctx.metrics.handoff
     app = create_app(ctx)
+    if cfg.server.router_nice:
+        # Only now: a router restarted on a loaded machine must come up at full priority, because its
+        # clients are waiting to resume; serving, it yields the CPU to the workers.
+        os.nice(cfg.server.router_nice)
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=cfg.server.host, port=cfg.server.port, log_level="warning", timeout_graceful_shutdown=5
@@ -70,9 +74,6 @@ def main() -> None:
     args = parser.parse_args()
     die_with_parent()
     setup_logging("router")
-    nice = config_from_dict(json.loads(args.config_json)).server.router_nice
-    if nice:
-        os.nice(nice)
     workers = [(*_worker(a), WorkerRole.MIXED) for a in args.worker]
     workers += [(*_worker(a), WorkerRole.STANDBY) for a in args.standby]
     asyncio.run(serve(args.config_json, workers, args.output, args.ledger))

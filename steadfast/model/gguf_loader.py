@@ -11,10 +11,11 @@ import gguf
 import numpy as np
 import torch
 
+from steadfast.model.gguf_file import GGUFFile, GGUFTensor
 from steadfast.model.gguf_meta import LlamaConfig, ModelLoadError
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     # numpy shape is GGUF's ne reversed: [out_features, in_features] for a linear weight.
     shape = tuple(int(d) for d in reversed(tensor.shape))
     if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -30,7 +31,7 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_weights(reader: gguf.GGUFReader, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(reader: GGUFFile, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor by its GGUF name, dequantized, Q/K un-permuted, in `dtype`."""
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import gguf
+from steadfast.model.gguf_file import GGUFFile, GGUFFormatError
 
 if TYPE_CHECKING:
     from steadfast.config import Config
@@ -40,23 +40,20 @@ class LlamaConfig:
         return self.num_heads // self.num_kv_heads
 
 
-def open_gguf(path: str) -> gguf.GGUFReader:
+def open_gguf(path: str) -> GGUFFile:
     if not Path(path).is_file():
         raise ModelLoadError(f"model file not found: {path}")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises several types for a file that is not GGUF
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError, ValueError) as exc:  # ValueError: numpy cannot map an empty file
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.get(key, default)
 
 
-def read_config(reader: gguf.GGUFReader) -> LlamaConfig:
+def read_config(reader: GGUFFile) -> LlamaConfig:
     arch = field_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")

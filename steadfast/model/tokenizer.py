@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import gguf
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from steadfast.model.gguf_file import GGUFFile
 from steadfast.model.gguf_meta import ModelLoadError, field_value, open_gguf
 
 CONTROL = 3
@@ -116,7 +116,7 @@ class GGUFTokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, path_or_reader: str | gguf.GGUFReader) -> GGUFTokenizer:
+    def from_gguf(cls, path_or_reader: str | GGUFFile) -> GGUFTokenizer:
         reader = open_gguf(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
         kind = field_value(reader, "tokenizer.ggml.model")
         tokens = list(field_value(reader, "tokenizer.ggml.tokens") or [])

@@ -25,13 +25,13 @@ from tests.integration.server import ServerProcess
 pytestmark = pytest.mark.chaos
 
 STREAMS = 16
-MAX_TOKENS = 96
+MAX_TOKENS = 160  # the small model decodes fast: long enough that the last kill still lands mid-stream
 KILLS = 3
 
 CONFIG = """
 model: {dtype: float32, device: cpu}
 cache: {kv_memory_mb: 256}
-server: {standby_workers: 2}  # a reload takes longer than the streams: keep one ready per kill
+server: {standby_workers: 3}  # a reload can take longer than the streams: one ready per kill
 fault_recovery:
   kv_cache: {snapshot_interval_steps: 4, recovery_mode: ledger_first}
 """
@@ -46,26 +46,26 @@ def request_specs() -> list[dict]:
     return specs
 
 
-def reference(fp32_model, make_engine, cfg, specs) -> list[list[int]]:
-    tok = fp32_model.tokenizer
+def reference(model, make_engine, cfg, specs, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    tok = model.tokenizer
     reqs = [
         AddRequest(
             f"r{i}",
             tok.encode_chat([{"role": "user", "content": s["prompt"]}]),
-            SamplingParams(MAX_TOKENS, s["temperature"], seed=s["seed"], ignore_eos=True),
+            SamplingParams(max_tokens, s["temperature"], seed=s["seed"], ignore_eos=True),
         )
         for i, s in enumerate(specs)
     ]
-    out = make_engine(cfg, fp32_model).generate(reqs)
+    out = make_engine(cfg, model).generate(reqs)
     return [[t for o in out[f"r{i}"] for t in o.token_ids] for i in range(len(specs))]
 
 
-def chat_body(model: str, spec: dict) -> dict:
+def chat_body(model: str, spec: dict, max_tokens: int = MAX_TOKENS) -> dict:
     """A streamed chat request that returns each chunk's token ids."""
     return {
         "model": model,
         "messages": [{"role": "user", "content": spec["prompt"]}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": spec["temperature"],
         "seed": spec["seed"],
         "ignore_eos": True,
@@ -106,10 +106,12 @@ def admin(server: ServerProcess, what: str) -> list[dict]:
     return httpx.get(f"{server.url}/admin/{what}", timeout=10).json()
 
 
-def test_killed_workers_streams_resume_token_exactly(tmp_path, fp32_model, make_engine, fp32_config):
+def test_killed_workers_streams_resume_token_exactly(
+    tmp_path, small_model, make_engine, small_config, small_model_path
+):
     specs = request_specs()
-    want = reference(fp32_model, make_engine, fp32_config, specs)
-    server = ServerProcess(tmp_path, CONFIG)
+    want = reference(small_model, make_engine, small_config, specs)
+    server = ServerProcess(tmp_path, CONFIG, model=small_model_path)
     rng = random.Random(20261129)
     killed: list[tuple[int, int]] = []  # (worker id, pid)
     try:

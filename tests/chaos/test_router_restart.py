@@ -18,12 +18,14 @@ import httpx
 import pytest
 
 from steadfast.kv.pool import process_gone
-from tests.chaos.test_crash_recovery import MAX_TOKENS, chat_body, reference, request_specs
+from tests.chaos.test_crash_recovery import chat_body, reference, request_specs
 from tests.chaos.test_serve_faults import children_named
 from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
 
 pytestmark = pytest.mark.chaos
+
+MAX_TOKENS = 96
 
 CONFIG = """
 model: {dtype: float32, device: cpu}
@@ -47,7 +49,7 @@ class ResumingStream(threading.Thread):
         self.reconnects = 0
 
     def run(self) -> None:
-        body = chat_body(self.model, self.spec)
+        body = chat_body(self.model, self.spec, MAX_TOKENS)
         last = None
         deadline = time.monotonic() + 240
         while self.finish is None and time.monotonic() < deadline:
@@ -87,10 +89,12 @@ class ResumingStream(threading.Thread):
                 self.reconnects += 1
 
 
-def test_router_killed_mid_stream_clients_resume_with_last_event_id(tmp_path, fp32_model, make_engine, fp32_config):
+def test_router_killed_mid_stream_clients_resume_with_last_event_id(
+    tmp_path, small_model, make_engine, small_config, small_model_path
+):
     specs = request_specs()
-    want = reference(fp32_model, make_engine, fp32_config, specs)
-    server = ServerProcess(tmp_path, CONFIG)
+    want = reference(small_model, make_engine, small_config, specs, MAX_TOKENS)
+    server = ServerProcess(tmp_path, CONFIG, model=small_model_path)
     try:
         server.wait_ready()
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]

@@ -23,13 +23,13 @@ from tests.conftest import PROMPTS
 
 pytestmark = pytest.mark.chaos
 
-MAX_TOKENS = 40
+MAX_TOKENS = 64  # well past the kill: the small model decodes fast, and the test reads behind the worker
 KILL_AFTER = 21  # tokens each request has delivered before the kill (a block and then some)
 
 
-def config(mode: str) -> Config:
+def config(mode: str, model_path: str) -> Config:
     return Config().replace(
-        model={"dtype": "float32", "device": "cpu"},
+        model={"path": model_path, "dtype": "float32", "device": "cpu"},
         cache={"kv_memory_mb": 192, "pool_grant_batch": 4},
         fault_recovery={"kv_cache": {"snapshot_interval_steps": 4, "recovery_mode": mode}},
     )
@@ -52,10 +52,12 @@ def joined(outputs: list[RequestOutput]) -> tuple[list[int], str]:
     ("mode", "corrupt", "route"),
     [("ledger_first", False, "ledger_first"), ("ledger_first", True, "rebuild"), ("rebuild", False, "rebuild")],
 )
-def test_killed_worker_is_taken_over_token_exactly(tmp_path, fp32_model, make_engine, mode, corrupt, route):
-    cfg = config(mode)
-    reqs = make_requests(fp32_model.tokenizer)
-    reference = make_engine(cfg, fp32_model).generate(reqs)
+def test_killed_worker_is_taken_over_token_exactly(
+    tmp_path, small_model, small_model_path, make_engine, mode, corrupt, route
+):
+    cfg = config(mode, small_model_path)
+    reqs = make_requests(small_model.tokenizer)
+    reference = make_engine(cfg, small_model).generate(reqs)
 
     node = Node(tmp_path, cfg)
     try:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks on a machine that has CUDA but not this project's environment (see README "GPU checks").
 # Expects, beside the checkout: .whl/ (wheels of the deps the machine lacks) and .gpu/small.gguf
-# (tests/gpu/small_gguf.py: the default model cut to a few layers, to fit a 64 MiB transfer).
+# (tests/small_gguf.py: the default model cut to a few layers, to fit a 64 MiB transfer).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"

@@ -20,8 +20,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, tmp: Path, config_yaml: str = "", extra_args: tuple[str, ...] = (), code_dir: str = "") -> None:
-        """`code_dir`: serve the Steadfast checkout there instead of this one (benchmarks: before vs after)."""
+    def __init__(
+        self, tmp: Path, config_yaml: str = "", extra_args: tuple[str, ...] = (), code_dir: str = "", model: str = ""
+    ) -> None:
+        """`code_dir`: serve the Steadfast checkout there instead of this one (benchmarks: before vs after).
+        `model`: a GGUF to serve instead of the default (`--model`), e.g. the tests' small model."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = tmp / "server.yaml"
@@ -37,6 +40,7 @@ class ServerProcess:
                 str(self.port),
                 "--config",
                 str(cfg),
+                *(("--model", model) if model else ()),
                 *extra_args,
             ],
             stdout=self.log,

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(tmp_path_factory.mktemp("api"))
+    # fp32: on a CPU without AVX-512 bf16 matmuls are several times slower, and nothing here is about
+    # bf16 (`test_cli` serves the default dtype end to end).
+    s = ServerProcess(tmp_path_factory.mktemp("api"), "model: {dtype: float32}\ncache: {kv_memory_mb: 256}\n")
     try:
         s.wait_ready()
         yield s

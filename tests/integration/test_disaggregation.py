@@ -47,10 +47,10 @@ def requests(tokenizer, tag: str = "") -> list[AddRequest]:
     return reqs
 
 
-def test_prefill_hands_kv_to_decode_worker_and_output_is_exact(tmp_path, fp32_model, make_engine):
-    cfg = config()
-    reqs = requests(fp32_model.tokenizer)
-    reference = make_engine(cfg, fp32_model).generate(reqs)
+def test_prefill_hands_kv_to_decode_worker_and_output_is_exact(tmp_path, small_model, small_model_path, make_engine):
+    cfg = config().replace(model={"path": small_model_path})
+    reqs = requests(small_model.tokenizer)
+    reference = make_engine(cfg, small_model).generate(reqs)
     bs = cfg.cache.block_size
 
     node = Node(tmp_path, cfg)
@@ -134,8 +134,8 @@ def stream_tokens(url: str, body: dict, on_token=lambda n: None) -> list[int]:
     return tokens
 
 
-def reference(make_engine, fp32_config, fp32_model, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list:
-    tok = fp32_model.tokenizer
+def reference(make_engine, cfg: Config, model, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list:
+    tok = model.tokenizer
     reqs = [
         AddRequest(
             f"r{i}",
@@ -144,13 +144,15 @@ def reference(make_engine, fp32_config, fp32_model, prompts: list[str], max_toke
         )
         for i, p in enumerate(prompts)
     ]
-    got = make_engine(fp32_config, fp32_model).generate(reqs)
+    got = make_engine(cfg, model).generate(reqs)
     return [[t for o in got[f"r{i}"] for t in o.token_ids] for i in range(len(prompts))]
 
 
-def test_serve_with_prefill_and_decode_workers_streams_exact_tokens(tmp_path, fp32_model, make_engine, fp32_config):
-    want = reference(make_engine, fp32_config, fp32_model, PROMPTS[:8])
-    server = ServerProcess(tmp_path, SERVE_CONFIG)
+def test_serve_with_prefill_and_decode_workers_streams_exact_tokens(
+    tmp_path, small_model, make_engine, small_config, small_model_path
+):
+    want = reference(make_engine, small_config, small_model, PROMPTS[:8])
+    server = ServerProcess(tmp_path, SERVE_CONFIG, model=small_model_path)
     try:
         server.wait_ready()
         roles = sorted(w["role"] for w in httpx.get(server.url + "/admin/workers", timeout=10).json())
@@ -173,14 +175,14 @@ server: {workers: 0, prefill_workers: 1, decode_workers: 1, decode_node: separat
 
 @pytest.mark.chaos
 def test_serve_with_a_decode_node_streams_kv_and_survives_its_decode_worker(
-    tmp_path, fp32_model, make_engine, fp32_config
+    tmp_path, small_model, make_engine, small_config, small_model_path
 ):
     """`decode_node: separate`: the decode worker has a kvpool, arena and ledger of its own (another
     node), so every request's KV is streamed to it over TCP. Then its decode worker is killed
     mid-stream: the supervisor fences it through that node's pool, and the node's standby adopts its
     KV and finishes the stream, token-exactly."""
-    want = reference(make_engine, fp32_config, fp32_model, PROMPTS[:5], max_tokens=64)
-    server = ServerProcess(tmp_path, SEPARATE_CONFIG)
+    want = reference(make_engine, small_config, small_model, PROMPTS[:5], max_tokens=64)
+    server = ServerProcess(tmp_path, SEPARATE_CONFIG, model=small_model_path)
     try:
         server.wait_ready()
         workers = httpx.get(server.url + "/admin/workers", timeout=10).json()

@@ -15,14 +15,14 @@ def tokens(engine, requests):
     return {rid: [t for o in outs for t in o.token_ids] for rid, outs in out.items()}
 
 
-def test_same_seed_same_tokens_across_runs_and_companions(fp32_config, fp32_model, make_engine):
-    tok = fp32_model.tokenizer
+def test_same_seed_same_tokens_across_runs_and_companions(small_config, small_model, make_engine):
+    tok = small_model.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=20261129, ignore_eos=True)
     target = AddRequest("target", ids[1], params)
 
-    alone = tokens(make_engine(fp32_config, fp32_model), [target])["target"]
-    again = tokens(make_engine(fp32_config, fp32_model), [target])["target"]
+    alone = tokens(make_engine(small_config, small_model), [target])["target"]
+    again = tokens(make_engine(small_config, small_model), [target])["target"]
     assert alone == again
 
     companions = [
@@ -30,21 +30,21 @@ def test_same_seed_same_tokens_across_runs_and_companions(fp32_config, fp32_mode
         for i, p in enumerate(ids)
         if i != 1
     ]
-    crowded = tokens(make_engine(fp32_config, fp32_model), [*companions[:3], target, *companions[3:]])["target"]
+    crowded = tokens(make_engine(small_config, small_model), [*companions[:3], target, *companions[3:]])["target"]
     assert crowded == alone
 
     # Chunked differently and with less KV, still the same.
-    tight = fp32_config.replace(scheduler={"max_num_batched_tokens": 32, "max_prefill_chunk": 9})
-    assert tokens(make_engine(tight, fp32_model), [*companions, target])["target"] == alone
+    tight = small_config.replace(scheduler={"max_num_batched_tokens": 32, "max_prefill_chunk": 9})
+    assert tokens(make_engine(tight, small_model), [*companions, target])["target"] == alone
 
 
-def test_different_seeds_give_different_tokens(fp32_config, fp32_model, make_engine):
-    tok = fp32_model.tokenizer
+def test_different_seeds_give_different_tokens(small_config, small_model, make_engine):
+    tok = small_model.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Tell me a story about a dragon."}])
     runs = {
         s: tuple(
             tokens(
-                make_engine(fp32_config, fp32_model),
+                make_engine(small_config, small_model),
                 [AddRequest("r", ids, SamplingParams(max_tokens=16, temperature=1.0, seed=s))],
             )["r"]
         )

@@ -14,7 +14,7 @@ from steadfast.config import TakeoverConfig
 from steadfast.control.delivery import Flight, Verdict, Watermark
 from steadfast.control.placement import Placement
 from steadfast.control.workers import WorkerRegistry
-from steadfast.protocol import AddRequest, RequestOutput, SamplingParams, WorkerRole, WorkerStatus
+from steadfast.protocol import AddRequest, RequestOutput, SamplingParams, WorkerRole, WorkerState, WorkerStatus
 
 pytestmark = pytest.mark.unit
 
@@ -135,3 +135,36 @@ def test_placement_prefers_the_dead_workers_node_then_load(placement):
     assert placement.pick().worker_id == 2  # least loaded
     assert placement.pick(node="a").worker_id == 0  # its KV is adoptable only on node a
     assert placement.pick(exclude=0, roles=(WorkerRole.DECODE,), node="a").worker_id == 1  # a standby
+
+
+def test_a_router_behind_on_its_inbox_does_not_call_its_workers_silent(tmp_path):
+    """Reports waiting unread mean the router is slow (niced on a loaded machine), not the worker."""
+    import time
+
+    import zmq
+
+    from steadfast import protocol
+    from steadfast.control.engine_client import EngineClient
+
+    async def run() -> None:
+        address = f"ipc://{tmp_path}/outputs"
+        client = EngineClient([(0, f"ipc://{tmp_path}/worker0", WorkerRole.MIXED)], address, 0.5)
+        w = client.registry.get(0)
+        client.registry.observe(WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY), now=time.monotonic() - 60)
+        assert not client._behind()
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(address)
+        push.send(protocol.encode(WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY)))
+        deadline = time.monotonic() + 5
+        while not client._behind() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert client._behind()  # an unread report waits: a sweep now would blame the worker for our lag
+        await client.start()  # the receive loop reads it; the watch loop's sweeps may run again
+        deadline = time.monotonic() + 5
+        while client._behind() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not client._behind() and w.ready and time.monotonic() - w.last_seen < 5
+        push.close(linger=0)
+        await client.close()
+
+    asyncio.run(run())

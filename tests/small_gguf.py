@@ -1,9 +1,11 @@
 """Write a copy of a llama GGUF that keeps only its first N layers.
 
-The GPU machine takes at most 64 MiB of files per run and the default model is 94 MiB, so the GPU
-checks use the real model cut to a few layers: real tokenizer, embeddings and weights, same code paths.
+Real tokenizer, embeddings and weights, the same code paths, a fraction of the compute: the fault and
+protocol tests that compare a server with the in-process engine (not with `transformers`) run on it
+(the `small_model` fixture), and so do the GPU checks (the GPU machine takes at most 64 MiB of files
+per run; the default model is 94 MiB).
 
-    python tests/gpu/small_gguf.py OUT.gguf --layers 4 [--model PATH]
+    python tests/small_gguf.py OUT.gguf --layers 4 [--model PATH]
 """
 
 from __future__ import annotations
