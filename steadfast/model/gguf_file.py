@@ -21,18 +21,18 @@ from typing import Any
 import gguf
 import numpy as np
 
-_SCALARS: dict[int, tuple[str, np.dtype]] = {
-    gguf.GGUFValueType.UINT8: ("<B", np.dtype("<u1")),
-    gguf.GGUFValueType.INT8: ("<b", np.dtype("<i1")),
-    gguf.GGUFValueType.UINT16: ("<H", np.dtype("<u2")),
-    gguf.GGUFValueType.INT16: ("<h", np.dtype("<i2")),
-    gguf.GGUFValueType.UINT32: ("<I", np.dtype("<u4")),
-    gguf.GGUFValueType.INT32: ("<i", np.dtype("<i4")),
-    gguf.GGUFValueType.FLOAT32: ("<f", np.dtype("<f4")),
-    gguf.GGUFValueType.BOOL: ("<?", np.dtype("?")),
-    gguf.GGUFValueType.UINT64: ("<Q", np.dtype("<u8")),
-    gguf.GGUFValueType.INT64: ("<q", np.dtype("<i8")),
-    gguf.GGUFValueType.FLOAT64: ("<d", np.dtype("<f8")),
+_SCALARS: dict[int, np.dtype] = {
+    gguf.GGUFValueType.UINT8: np.dtype("<u1"),
+    gguf.GGUFValueType.INT8: np.dtype("<i1"),
+    gguf.GGUFValueType.UINT16: np.dtype("<u2"),
+    gguf.GGUFValueType.INT16: np.dtype("<i2"),
+    gguf.GGUFValueType.UINT32: np.dtype("<u4"),
+    gguf.GGUFValueType.INT32: np.dtype("<i4"),
+    gguf.GGUFValueType.FLOAT32: np.dtype("<f4"),
+    gguf.GGUFValueType.BOOL: np.dtype("?"),
+    gguf.GGUFValueType.UINT64: np.dtype("<u8"),
+    gguf.GGUFValueType.INT64: np.dtype("<i8"),
+    gguf.GGUFValueType.FLOAT64: np.dtype("<f8"),
 }
 _PLAIN = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
 
@@ -85,6 +85,9 @@ class GGUFFile:
     def _scalar(self, fmt: str) -> Any:
         return struct.unpack(fmt, self._take(struct.calcsize(fmt)))[0]
 
+    def _numbers(self, dtype: np.dtype, count: int) -> list[Any]:
+        return np.frombuffer(self._take(count * dtype.itemsize), dtype=dtype).tolist()
+
     def _string(self) -> str:
         return bytes(self._take(self._scalar("<Q"))).decode("utf-8", errors="replace")
 
@@ -95,12 +98,11 @@ class GGUFFile:
             return self._array(self._scalar("<I"), self._scalar("<Q"))
         if kind not in _SCALARS:
             raise GGUFFormatError(f"unknown metadata value type {kind}")
-        return self._scalar(_SCALARS[kind][0])
+        return self._numbers(_SCALARS[kind], 1)[0]
 
     def _array(self, kind: int, count: int) -> list[Any]:
         if kind in _SCALARS:
-            dtype = _SCALARS[kind][1]
-            return np.frombuffer(self._take(count * dtype.itemsize), dtype=dtype).tolist()
+            return self._numbers(_SCALARS[kind], count)
         if kind == gguf.GGUFValueType.STRING:
             buf, pos, out = self._buf, self._pos, []
             size = len(buf)
