@@ -2,8 +2,8 @@
 
 One interface, backends behind it (embedded SQLite here; etcd later), opened by URL with
 `steadfast.kv.ledger_url.open_ledger`. The ledger records blocks (state, owner, epoch, refcount,
-chained content hash, tier), request checkpoints and worker leases. A backend raises only this
-module's errors, never its driver's, and one ledger object may be used from several threads.
+chained content hash, tier), request checkpoints, worker leases and each KV move's decision. A backend
+raises only this module's errors, never its driver's, and one ledger object may be used from several threads.
 Every write names the writer's lease epoch and is refused (`FencedError`) unless that epoch is the
 worker's current one and its lease has not expired: a worker that was fenced cannot write its way back.
 
@@ -16,6 +16,8 @@ import abc
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from steadfast.kv.moves.messages import MoveOutcome
 
 # A seal: (block id, hash of its bytes) or (block id, hash of its bytes, chained name of its tokens).
 Seal = tuple[int, bytes] | tuple[int, bytes, bytes]
@@ -152,12 +154,23 @@ class Ledger(abc.ABC):
         to_worker: str,
         seals: Sequence[Seal] = (),
         request_id: str = "",
+        move: str = "",
     ) -> int:
         """Zero-copy KV handoff (prefill → decode on one node), one transaction: `seals` are sealed
         first, then the worker's OWNED or SEALED blocks become `to_worker`'s under its current epoch,
         state, hash and name unchanged (all or none), and so does the request's checkpoint (phase
-        `transfer`), so that only the receiver writes it from now on. Returns that epoch; ReceiverGoneError if
-        `to_worker` holds no live lease."""
+        `transfer`), so that only the receiver writes it from now on; the move session `move`, when
+        named, is recorded COMMITTED (LedgerError, nothing changed, if it was decided ABORTED). Returns
+        that epoch; ReceiverGoneError if `to_worker` holds no live lease."""
+
+    @abc.abstractmethod
+    def decide_move(self, worker: str, epoch: int, session: str, proposal: MoveOutcome) -> MoveOutcome:
+        """A KV move session's decision, recorded once (a compare-and-set): `proposal` if the session is
+        undecided, else nothing changes; returns the recorded outcome, so a retried call gets the same
+        answer. The writer is the destination worker (its node's ledger holds the new owner's blocks)."""
+
+    @abc.abstractmethod
+    def move_decision(self, session: str) -> MoveOutcome | None: ...
 
     @abc.abstractmethod
     def authorize_write(self, worker: str, epoch: int, block_id: int) -> None:

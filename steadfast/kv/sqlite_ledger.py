@@ -9,16 +9,12 @@ read, on the shared connection at a time.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
-from steadfast.env import failpoint, failpoint_dir
 from steadfast.kv.ledger import (
     BlockRecord,
     BlockState,
@@ -33,6 +29,10 @@ from steadfast.kv.ledger import (
     RequestCheckpoint,
     Seal,
 )
+from steadfast.kv.moves.messages import MoveOutcome
+from steadfast.kv.sqlite_rows import ids_blob, ids_of, stall
+
+MOVE_RECORD_S = 3600.0  # a move's decision is kept this long (seconds of the ledger's clock), then pruned
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -47,36 +47,11 @@ CREATE TABLE IF NOT EXISTS requests (
     id TEXT PRIMARY KEY, prompt BLOB NOT NULL, params TEXT NOT NULL, generated BLOB NOT NULL,
     delivered INTEGER NOT NULL, owner TEXT, epoch INTEGER, phase TEXT NOT NULL, blocks BLOB NOT NULL,
     updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS moves (
+    session TEXT PRIMARY KEY, outcome TEXT NOT NULL, worker TEXT NOT NULL, decided REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS moves_by_time ON moves (decided);
 INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', 0);
 """
-
-
-_hits: dict[str, int] = {}
-
-
-def stall(name: str) -> None:
-    """A failpoint: when a test armed `name`, leave a marker and stall here (inside the transaction)."""
-    armed = failpoint(name)
-    if armed is None:
-        return
-    seconds, on_hit = armed
-    _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] != on_hit:
-        return
-    folder = failpoint_dir()
-    if folder:
-        Path(folder, f"{name}.{os.getpid()}").write_text(str(time.time()))
-    time.sleep(seconds)
-
-
-def _ids(values: Sequence[int]) -> bytes:
-    return array("q", values).tobytes()
-
-
-def _unids(blob: bytes) -> list[int]:
-    out = array("q")
-    out.frombytes(blob)
-    return out.tolist()
 
 
 class SqliteLedger(Ledger):
@@ -282,9 +257,12 @@ class SqliteLedger(Ledger):
         to_worker: str,
         seals: Sequence[Seal] = (),
         request_id: str = "",
+        move: str = "",
     ) -> int:
         with self._tx() as c:
             self._check_lease(c, worker, epoch)
+            if move and self._decide(c, worker, move, MoveOutcome.COMMITTED) is not MoveOutcome.COMMITTED:
+                raise LedgerError(f"move {move} was decided aborted: its blocks stay with {worker}")
             self._seal(c, worker, epoch, seals)
             row = c.execute("SELECT epoch, state, expires FROM leases WHERE worker = ?", (to_worker,)).fetchone()
             if row is None or row[1] != LeaseState.ACTIVE or self.clock() > row[2]:
@@ -301,6 +279,24 @@ class SqliteLedger(Ledger):
                     (to_worker, to_epoch, request_id, worker),
                 )
         return to_epoch
+
+    def decide_move(self, worker: str, epoch: int, session: str, proposal: MoveOutcome) -> MoveOutcome:
+        with self._tx() as c:
+            self._check_lease(c, worker, epoch)
+            return self._decide(c, worker, session, proposal)
+
+    def _decide(self, c: sqlite3.Cursor, worker: str, session: str, proposal: MoveOutcome) -> MoveOutcome:
+        now = self.clock()
+        c.execute("DELETE FROM moves WHERE decided < ?", (now - MOVE_RECORD_S,))  # no move lives this long
+        c.execute(
+            "INSERT OR IGNORE INTO moves (session, outcome, worker, decided) VALUES (?, ?, ?, ?)",
+            (session, proposal.value, worker, now),
+        )
+        return MoveOutcome(c.execute("SELECT outcome FROM moves WHERE session = ?", (session,)).fetchone()[0])
+
+    def move_decision(self, session: str) -> MoveOutcome | None:
+        rows = self._rows("SELECT outcome FROM moves WHERE session = ?", (session,))
+        return MoveOutcome(rows[0][0]) if rows else None
 
     def _owned(self, c: sqlite3.Cursor, worker: str, epoch: int, block_id: int, states: tuple[str, ...]) -> str:
         row = c.execute("SELECT state, owner, epoch FROM blocks WHERE id = ?", (block_id,)).fetchone()
@@ -402,14 +398,14 @@ class SqliteLedger(Ledger):
                     "blocks, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         r.request_id,
-                        _ids(r.prompt_ids),
+                        ids_blob(r.prompt_ids),
                         r.params,
-                        _ids(r.generated_ids),
+                        ids_blob(r.generated_ids),
                         r.delivered,
                         worker,
                         epoch,
                         r.phase,
-                        _ids(r.block_table),
+                        ids_blob(r.block_table),
                         now,
                     ),
                 )
@@ -417,7 +413,7 @@ class SqliteLedger(Ledger):
 
     @staticmethod
     def _request_row(r: tuple) -> RequestCheckpoint:
-        return RequestCheckpoint(r[0], _unids(r[1]), r[2], _unids(r[3]), r[4], r[7], _unids(r[8]), r[5], r[6])
+        return RequestCheckpoint(r[0], ids_of(r[1]), r[2], ids_of(r[3]), r[4], r[7], ids_of(r[8]), r[5], r[6])
 
     _REQUEST_COLUMNS = "id, prompt, params, generated, delivered, owner, epoch, phase, blocks"
 

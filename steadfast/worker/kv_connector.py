@@ -245,7 +245,10 @@ class KVConnector:
 
         def transfer(block_ids: list[int], copies: list[tuple[int, bytes]]) -> None:
             nonlocal copied
-            sealed.extend(sync.hand_over(block_ids, copies, f"worker{to}", request.request_id))
+            # The move's session collapses into this one transaction (HANDOFF: nothing to reserve, no
+            # byte to copy): its decision, COMMITTED, is recorded with the new owner.
+            move = f"{request.request_id}/{MoveKind.HANDOFF}"
+            sealed.extend(sync.hand_over(block_ids, copies, f"worker{to}", request.request_id, move))
             copied = len(copies)
 
         try:

@@ -20,6 +20,7 @@ from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.ledger import BlockRecord, FencedError, RequestCheckpoint
 from steadfast.kv.ledger_url import open_ledger
+from steadfast.kv.moves.messages import MoveOutcome
 from steadfast.kv.pool_client import LeaseKeeper, LeaseLostError, PoolClient
 from steadfast.worker.request import Request, Status
 
@@ -46,9 +47,9 @@ class LedgerSync:
         self.checkpoint_seconds = 0.0  # time inside checkpoint transactions
         self.seal_seconds = 0.0  # time hashing and sealing blocks
 
-    def _write(self, fn, *args) -> None:  # noqa: ANN001 - a ledger method and its arguments
+    def _write(self, fn, *args):  # noqa: ANN001, ANN202 - a ledger method, its arguments and its answer
         try:
-            fn(self.worker, self.epoch, *args)
+            return fn(self.worker, self.epoch, *args)
         except FencedError as exc:
             self.lease.lost = str(exc)
             raise LeaseLostError(str(exc)) from exc
@@ -120,17 +121,28 @@ class LedgerSync:
             self._ledger_sealed.update(b for b, _ in blocks)
 
     def hand_over(
-        self, block_ids: list[int], copies: list[tuple[int, bytes]], to_worker: str, request_id: str = ""
+        self,
+        block_ids: list[int],
+        copies: list[tuple[int, bytes]],
+        to_worker: str,
+        request_id: str = "",
+        move: str = "",
     ) -> list[int]:
         """Make a request's blocks `to_worker`'s in the ledger (same-node prefill → decode handoff),
-        sealing the fresh copies of shared blocks (block, token name) in the same transaction.
+        sealing the fresh copies of shared blocks (block, token name) and recording the move session
+        `move` COMMITTED in the same transaction.
         Returns the blocks that are sealed, for the receiver to know. Raises ReceiverGoneError when
         `to_worker` has no live lease, with nothing changed."""
         seals = [(b, self.arena.digest(b), name) for b, name in copies]
         copied = {b for b, _ in copies}
         sealed = [b for b in block_ids if b in self._ledger_sealed or b in copied]
-        self._write(self.ledger.hand_over, block_ids, to_worker, seals, request_id)
+        self._write(self.ledger.hand_over, block_ids, to_worker, seals, request_id, move)
         return sealed
+
+    def decide_move(self, session: str, proposal: MoveOutcome) -> MoveOutcome:
+        """Record a KV move's decision unless one is (this worker being its destination); the recorded one.
+        Called from the receiver's thread: the ledger object serves several threads."""
+        return MoveOutcome(self._write(self.ledger.decide_move, session, proposal))
 
     def received(self, sealed: list[int]) -> None:
         """Blocks handed to this worker that another sealed: ours to unseal when they are reused."""

@@ -138,7 +138,7 @@ def _other_nodes(
     this node's pool through a client of its own (the receiver works on its own thread)."""
     t = cfg.transfer
     faults = fault_switch(transfer_fault_source(t))  # None unless a fault drill is configured
-    sender = KVSender(arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults)
+    sender = KVSender(arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults, arena.spec.block_size)
     grants = PoolClient(pool_address, pool.worker)
     grants.epoch = pool.epoch
     receiver = KVReceiver(
@@ -149,6 +149,7 @@ def _other_nodes(
         grants.release,
         t.timeout,
         sync.lease.check,
+        sync.decide_move,
     )
     return sender, receiver
 

@@ -22,7 +22,7 @@ from steadfast.kv.pool import process_gone
 from steadfast.kv.pool_client import PoolClient
 from steadfast.protocol import AddRequest, Resume, SamplingParams
 from tests.chaos.node import Node
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import ServerProcess
 
 pytestmark = pytest.mark.integration
@@ -184,8 +184,13 @@ def test_serve_with_a_decode_node_streams_kv_and_survives_its_decode_worker(
     want = reference(make_engine, small_config, small_model, PROMPTS[:5], max_tokens=64)
     server = ServerProcess(tmp_path, SEPARATE_CONFIG, model=small_model_path)
     try:
-        server.wait_ready()
-        workers = httpx.get(server.url + "/admin/workers", timeout=10).json()
+        server.wait_ready()  # the active workers are; the standbys may still be loading their model
+
+        def every_worker_reported():
+            ws = httpx.get(server.url + "/admin/workers", timeout=10).json()
+            return ws if len(ws) == 4 and all(w["node"] for w in ws) else None
+
+        workers = wait_until(every_worker_reported, 120, "every worker's first status")
         node = {w["role"] if w["role"] != "standby" else f"standby{w['id']}": w["node"] for w in workers}
         assert len(workers) == 4 and node["prefill"] != node["decode"]  # a standby on each node
         assert sorted(node[k] for k in node if k.startswith("standby")) == sorted([node["prefill"], node["decode"]])

@@ -18,6 +18,7 @@ from steadfast.kv.ledger import (
     LedgerUnavailableError,
     RequestCheckpoint,
 )
+from steadfast.kv.moves.messages import MoveOutcome
 from steadfast.kv.sqlite_ledger import SqliteLedger
 
 pytestmark = pytest.mark.unit
@@ -161,6 +162,35 @@ def test_a_replaced_arena_fences_every_lease_and_voids_every_block(ledger, clock
         ledger.grant("w0", e0, 1)
     assert ledger.request("r") is not None  # the token ids stay: enough to rebuild, never to adopt
     assert ledger.check_integrity() == []
+
+
+def test_a_move_is_decided_once_and_a_retried_call_hears_the_same_answer(ledger, clock):
+    """The decision record behind every KV move session: the first proposal wins (compare-and-set), a later
+    or retried one gets the recorded outcome; a fenced writer records nothing; a handoff records its move
+    COMMITTED in the same transaction that changes the owner, and one decided ABORTED moves no block."""
+    C, A = MoveOutcome.COMMITTED, MoveOutcome.ABORTED
+    w0 = ledger.acquire_lease("w0", pid=1, ttl_s=5)
+    w1 = ledger.acquire_lease("w1", pid=2, ttl_s=5)
+    assert ledger.move_decision("r/0") is None
+    assert ledger.decide_move("w1", w1.epoch, "r/0", C) is C
+    assert ledger.decide_move("w1", w1.epoch, "r/0", A) is C  # the watchdog comes too late: committed stands
+    assert ledger.decide_move("w1", w1.epoch, "r/1", A) is A
+    assert ledger.decide_move("w1", w1.epoch, "r/1", C) is A
+    assert ledger.move_decision("r/0") is C and ledger.move_decision("r/1") is A
+    ledger.fence("w1")
+    with pytest.raises(FencedError):
+        ledger.decide_move("w1", w1.epoch, "r/2", C)
+    assert ledger.move_decision("r/2") is None
+    blocks = ledger.grant("w0", w0.epoch, 2)
+    w2 = ledger.acquire_lease("w2", pid=3, ttl_s=5)
+    ledger.hand_over("w0", w0.epoch, blocks, "w2", move="h/0")
+    assert ledger.move_decision("h/0") is C
+    assert {b.owner for b in ledger.blocks() if b.block_id in blocks} == {"w2"}
+    more = ledger.grant("w0", w0.epoch, 1)
+    assert ledger.decide_move("w2", w2.epoch, "h/1", A) is A
+    with pytest.raises(LedgerError):
+        ledger.hand_over("w0", w0.epoch, more, "w2", move="h/1")
+    assert {b.owner for b in ledger.blocks() if b.block_id in more} == {"w0"}
 
 
 def test_grant_returns_what_is_free(ledger):

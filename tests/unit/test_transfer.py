@@ -70,7 +70,7 @@ def test_a_clean_transfer_delivers_every_byte(arenas, layerwise):
     src, dst = arenas
     pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
-    tx = KVSender(SPEC.num_layers, timeout_s=1.0, retries=2, backoff_s=0.01)
+    tx = KVSender(SPEC.num_layers, timeout_s=1.0, retries=2, backoff_s=0.01, block_size=SPEC.block_size)
     try:
         src_blocks = send(tx, src, [("primary", rx.addresses[0])], layerwise)
         result = wait_result(tx)
@@ -89,7 +89,7 @@ def test_dropped_or_corrupt_chunks_are_sent_again(arenas, fault, monkeypatch):
     src, dst = arenas
     pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
-    tx = KVSender(SPEC.num_layers, 1.0, 3, 0.01, TransportFaults.from_env)
+    tx = KVSender(SPEC.num_layers, 1.0, 3, 0.01, TransportFaults.from_env, block_size=SPEC.block_size)
     try:
         src_blocks = send(tx, src, [("primary", rx.addresses[0])])
         result = wait_result(tx)
@@ -108,7 +108,7 @@ def test_a_stalled_path_falls_back_to_the_alternate_one(arenas, monkeypatch):
     pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
     alternate = rx.addresses[1]  # the same receiver by another path (its second socket)
-    tx = KVSender(SPEC.num_layers, 0.3, 1, 0.01, TransportFaults.from_env)
+    tx = KVSender(SPEC.num_layers, 0.3, 1, 0.01, TransportFaults.from_env, block_size=SPEC.block_size)
     try:
         src_blocks = send(tx, src, [("primary", rx.addresses[0]), ("alternate", alternate)])
         result = wait_result(tx)
@@ -125,7 +125,7 @@ def test_every_path_failing_gives_a_clear_error_and_leaks_no_block(arenas, monke
     src, dst = arenas
     pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
-    tx = KVSender(SPEC.num_layers, 0.2, 1, 0.01, TransportFaults.from_env)
+    tx = KVSender(SPEC.num_layers, 0.2, 1, 0.01, TransportFaults.from_env, block_size=SPEC.block_size)
     try:
         send(tx, src, [("primary", rx.addresses[0])])
         result = wait_result(tx)
@@ -145,7 +145,7 @@ def test_a_transfer_whose_sender_vanishes_expires_and_frees_its_blocks(arenas):
     src, dst = arenas
     pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool, timeout_s=0.2)
-    tx = KVSender(SPEC.num_layers, 1.0, 0, 0.01)
+    tx = KVSender(SPEC.num_layers, 1.0, 0, 0.01, block_size=SPEC.block_size)
     try:
         tx.begin("r", [("primary", rx.addresses[0])], 10)
         slots = slots_for([5, 9, 2], SPEC.block_size, 0, 6)

@@ -1,5 +1,5 @@
 """Fault injection for KV transfers (tests, chaos drills): `TransportFaults` says what to do to chunks
-(delay, drop, corrupt, stall) and on which path; `FaultyPath` wraps any `Transport` and does it on the
+(delay, drop, corrupt, stall) of data frames and on which path; `FaultyPath` wraps any `Transport` and does it on the
 sending side, behind the same interface, so neither the real path nor the receiver knows about drills.
 
 Where the fault spec comes from (config, or the variables `steadfast.env` reads) is `steadfast.env`'s
@@ -17,7 +17,7 @@ import msgspec
 from steadfast.config import TransferConfig
 from steadfast.env import transfer_fault_source
 from steadfast.kv.moves.transport import Transport
-from steadfast.kv.moves.wire import KVAbort, KVAck, KVChunk, KVCommit
+from steadfast.kv.moves.wire import KVFrame, ToDestination, ToSource
 
 FaultSwitch = Callable[[], "TransportFaults | None"]
 
@@ -78,7 +78,7 @@ class FaultyPath:
         """The faults of the transfer about to use this path, if they are meant for it."""
         self.faults = faults if faults is not None and faults.applies_to(self.name) else None
 
-    def send_chunk(self, chunk: KVChunk) -> int:
+    def send_frame(self, frame: KVFrame) -> int:
         self.sent += 1
         f = self.faults
         if f is not None:
@@ -89,16 +89,16 @@ class FaultyPath:
             if f.drop_every and self.sent % f.drop_every == 0:
                 return 0
             if f.corrupt_every and self.sent % f.corrupt_every == 0:
-                flipped = bytearray(chunk.data)
+                flipped = bytearray(frame.data)
                 flipped[len(flipped) // 2] ^= 0xFF
-                chunk = msgspec.structs.replace(chunk, data=bytes(flipped))
-        return self.inner.send_chunk(chunk)
+                frame = msgspec.structs.replace(frame, data=bytes(flipped))
+        return self.inner.send_frame(frame)
 
-    def send(self, msg: KVCommit | KVAbort) -> None:
+    def send(self, msg: ToDestination) -> None:
         self.inner.send(msg)
 
-    def wait_ack(self, request_id: str, attempt: int, timeout_s: float) -> KVAck | None:
-        return self.inner.wait_ack(request_id, attempt, timeout_s)
+    def recv(self) -> ToSource | None:
+        return self.inner.recv()
 
     def close(self) -> None:
         self.inner.close()

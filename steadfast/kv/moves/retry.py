@@ -20,9 +20,13 @@ class RetryPolicy:
         if self.retries < 0 or self.backoff_s < 0:
             raise ValueError(f"retries and backoff_s must be >= 0, got {self.retries}, {self.backoff_s}")
 
+    def wait(self, attempt: int) -> float:
+        """The wait that follows try `attempt` (0 = the first): `backoff_s * 2**attempt`."""
+        return self.backoff_s * 2**attempt
+
     def delays(self) -> list[float]:
         """The wait before each repeat, in order."""
-        return [self.backoff_s * 2**attempt for attempt in range(self.retries)]
+        return [self.wait(attempt) for attempt in range(self.retries)]
 
     def sleep(self, attempt: int) -> None:
         """Back off after failed try `attempt` (0 = the first), before the next one."""

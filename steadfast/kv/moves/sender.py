@@ -1,10 +1,13 @@
-"""The prefill side of a KV transfer between nodes: `KVSender` streams a request's K/V, layer by layer
-while its prompt is still being computed, to the receiver of the decode worker's node.
+"""The source side of a KV move between nodes: `KVSender` streams a request's K/V, layer by layer while
+its prompt is still being computed, to the receiver of the decode worker's node.
 
-Each attempt waits `timeout_s` for the receiver's ack; missing or corrupt chunks are resent, attempts
-back off by one `RetryPolicy`; after its retries the next path (an alternate address of the same
-receiver) is tried; when every path failed the result says so and the caller falls back (recomputing
-the prompt on the decode side). Every transfer ends in exactly one `TransferResult`.
+Each path is one move session (`kv/moves/session.py`, kind TRANSFER), named `<request>/<path index>`:
+PREALLOC once the first bytes exist, frames once RESERVED, one final copy stage and COMMIT once the prompt
+is done, then the decision asked of the destination node's ledger. Missing or corrupt frames named in an
+ack are resent after the backoff of one `RetryPolicy`; no answer in time is the session's own retry and, after
+its retries, an ABORT; an aborted session moves on to the next path (an alternate address of the same
+receiver); when every path failed the result says so and the caller falls back (recomputing the prompt on
+the decode side). Every transfer ends in exactly one `TransferResult`.
 
 This module owns the ordering of sends, resends and fallbacks. It must never touch the arena (the engine
 copies the bytes out before handing them over), block the engine thread, or know a wire format or a
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import queue
 import threading
 import time
@@ -25,11 +29,29 @@ import xxhash
 import zmq
 
 from steadfast.kv.moves.faults import FaultSwitch, FaultyPath, TransportFaults
+from steadfast.kv.moves.messages import (
+    Abort,
+    AbortReason,
+    Action,
+    Commit,
+    CommitAck,
+    Copy,
+    Decide,
+    LetGo,
+    MoveKind,
+    Prealloc,
+    ResumeAtSource,
+    Send,
+    SourceState,
+)
 from steadfast.kv.moves.retry import RetryPolicy
+from steadfast.kv.moves.session import SourceSession
 from steadfast.kv.moves.transport import PathDownError, Transport, ZmqPath
-from steadfast.kv.moves.wire import KVAbort, KVChunk, KVCommit
+from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, ToSource
 
 log = logging.getLogger(__name__)
+
+TOMBSTONE_S = 60.0  # an ended session is remembered this long, so a late answer to it is recognised
 
 
 class TransferOutcome(enum.Enum):
@@ -44,12 +66,12 @@ class TransferResult:
     outcome: TransferOutcome
     block_ids: list[int] = field(default_factory=list)
     path: str = ""  # the path that delivered it
-    retries: int = 0  # attempts beyond the first
+    retries: int = 0  # resends beyond the first try (PREALLOC, frames, COMMIT, decision)
     fallbacks: int = 0  # paths given up on
     bytes: int = 0
     seconds: float = 0.0  # commit → acknowledged
     error: str = ""
-    stream_seconds: float = 0.0  # first chunk sent → acknowledged
+    stream_seconds: float = 0.0  # first frame sent → acknowledged
 
     @property
     def ok(self) -> bool:
@@ -97,11 +119,20 @@ class _Outgoing:
     request_id: str
     addresses: list[tuple[str, str]]  # (path name, address), in fallback order
     num_tokens: int
-    chunks: dict[tuple[int, int], tuple[int, bytes]] = field(default_factory=dict)  # (layer, start) -> count, data
-    streamed: set[tuple[int, int]] = field(default_factory=set)  # sent on the first path during prefill
+    n_blocks: int
+    parts: list[_Layer] = field(default_factory=list)  # part k of the copy stage is parts[k]
+    path: int = 0  # index into addresses
+    session: SourceSession | None = None  # the current path's
+    sent: set[int] = field(default_factory=set)  # parts sent in the current session
+    commit_wanted: bool = False
+    asks: int = 0  # decisions asked for in the current session
+    problem: str = ""  # what the current path's last answer said was wrong
+    errors: list[str] = field(default_factory=list)
+    retries: int = 0
+    fallbacks: int = 0
     bytes: int = 0
     t_commit: float = 0.0
-    t_first: float = 0.0  # when the first chunk went out
+    t_first: float = 0.0  # when the first frame went out
 
 
 class KVSender:
@@ -117,11 +148,15 @@ class KVSender:
         retries: int,
         backoff_s: float,
         faults: FaultSwitch | None = None,
+        block_size: int = 16,
     ) -> None:
-        """`faults`: the fault switch, asked again at the start of every transfer; None: no drills
-        (paths are never wrapped)."""
-        self.num_layers = num_layers
+        """`timeout_s`: the first wait for an answer (doubling per retry); `backoff_s`: the first pause
+        before resending what an answer said is missing. `block_size`: the destination arena's (the same
+        model's arena on every node; the receiver refuses a PREALLOC that disagrees). `faults`: the fault
+        switch, asked again at the start of every transfer; None: no drills (paths are never wrapped)."""
+        self.num_layers, self.block_size = num_layers, block_size
         self.timeout_s = timeout_s
+        self.retries = retries
         self.retry = RetryPolicy(retries, backoff_s)
         self.fault_source = faults
         self.faults: TransportFaults | None = None
@@ -129,6 +164,8 @@ class KVSender:
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._results: queue.Queue[TransferResult] = queue.Queue()
         self._out: dict[str, _Outgoing] = {}
+        # Every session by name, with its path and, once ended, until when it is kept as a tombstone.
+        self._sessions: dict[str, tuple[SourceSession, tuple[str, str], float]] = {}
         self._paths: dict[tuple[str, str], Transport] = {}
         self.pending = 0  # transfers begun and not yet reported (engine thread's count)
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
@@ -167,111 +204,235 @@ class KVSender:
             path.close()
 
     # --- sender thread ---------------------------------------------------------------------------
-    def _path(self, name: str, address: str) -> Transport:
-        key = (name, address)
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._wait())
+            except queue.Empty:
+                job = None
+            if isinstance(job, _Stop):
+                return
+            if job is not None:
+                self._guard(job.request_id, self._job, job)
+            self._poll()
+
+    def _wait(self) -> float | None:
+        """How long the thread may sleep on its job queue: briefly while an answer is awaited."""
+        waiting = any(o.session is not None and o.session.state is not SourceState.COPYING for o in self._out.values())
+        return 0.002 if waiting else (0.2 if self._sessions else None)
+
+    def _guard(self, rid: str, fn, *args) -> None:  # noqa: ANN001 - a handler and its arguments
+        try:
+            fn(*args)
+        except Exception as exc:  # a broken transfer must end in a result, never hang its request
+            log.exception("KV transfer of %s failed", rid)
+            out = self._out.get(rid)
+            if out is not None:
+                out.errors.append(f"sender error: {exc}")
+                self._end(out, TransferOutcome.FAILED)
+
+    def _job(self, job: _Job) -> None:
+        match job:
+            case _Begin():
+                n_blocks = -(-job.num_tokens // self.block_size)
+                self._out[job.request_id] = _Outgoing(job.request_id, job.addresses, job.num_tokens, n_blocks)
+                self.faults = self.fault_source() if self.fault_source is not None else None
+                if self.faults is not None:  # a drill: say so, so nobody mistakes it for a real fault
+                    log.warning("KV transfer of %s: fault switch armed: %s", job.request_id, self.faults)
+            case _Layer():
+                out = self._out.get(job.request_id)
+                if out is None:
+                    return
+                out.parts.append(job)
+                if job.stream:
+                    if out.session is None:
+                        self._open(out)
+                    elif out.session.state is SourceState.COPYING and not out.session.paused:
+                        self._send_part(out, len(out.parts) - 1)
+            case _Commit():
+                out = self._out.get(job.request_id)
+                if out is None:
+                    return
+                out.commit_wanted, out.t_commit = True, time.perf_counter()
+                if out.session is None:
+                    self._open(out)
+                elif out.session.state is SourceState.COPYING:
+                    self._finish(out)
+            case _Abort():
+                out = self._out.get(job.request_id)
+                if out is None:
+                    return
+                s = out.session
+                if s is not None and s.can_abort:
+                    self._act(out, s.abort(AbortReason.SOURCE_ABORT, time.monotonic()), reported=True)
+                # In doubt (acked, decision asked): nothing to tell; an adopted reservation nobody
+                # claims is given back by the receiver.
+                out.errors.append("aborted")
+                self._end(out, TransferOutcome.ABORTED)
+
+    def _path(self, out: _Outgoing) -> Transport:
+        key = out.addresses[out.path]
         if key not in self._paths:
-            path: Transport = ZmqPath(self.ctx, name, address, self.timeout_s)
+            path: Transport = ZmqPath(self.ctx, key[0], key[1], self.timeout_s)
             self._paths[key] = FaultyPath(path) if self.fault_source is not None else path
         path = self._paths[key]
         if isinstance(path, FaultyPath):
             path.arm(self.faults)
         return path
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if isinstance(job, _Stop):
-                return
-            try:
-                match job:
-                    case _Begin():
-                        self._begin(job)
-                    case _Layer():
-                        self._layer(job)
-                    case _Commit():
-                        self._commit(job.request_id)
-                    case _Abort():
-                        self._abort(job.request_id)
-            except Exception as exc:  # a broken transfer must end in a result, never hang its request
-                rid = job.request_id
-                log.exception("KV transfer of %s failed", rid)
-                if self._out.pop(rid, None) is not None:
-                    self._results.put(TransferResult(rid, TransferOutcome.FAILED, error=f"sender error: {exc}"))
+    def _open(self, out: _Outgoing) -> None:
+        """A session on the current path: PREALLOC (everything is sent again on a new path)."""
+        sid = f"{out.request_id}/{out.path}"
+        s = out.session = SourceSession(sid, MoveKind.TRANSFER, self.timeout_s, self.retries)
+        self._sessions[sid] = (s, out.addresses[out.path], math.inf)
+        out.sent, out.asks, out.problem = set(), 0, ""
+        self._act(out, s.prealloc(out.n_blocks, time.monotonic()))
 
-    def _begin(self, job: _Begin) -> None:
-        self._out[job.request_id] = _Outgoing(job.request_id, job.addresses, job.num_tokens)
-        self.faults = self.fault_source() if self.fault_source is not None else None
-        if self.faults is not None:  # a drill: say so, so nobody mistakes it for a real fault
-            log.warning("KV transfer of %s: fault switch armed: %s", job.request_id, self.faults)
-
-    def _abort(self, rid: str) -> None:
-        out = self._out.pop(rid, None)
-        if out is not None:
-            with contextlib.suppress(PathDownError):
-                self._path(*out.addresses[0]).send(KVAbort(out.request_id))
-            self._results.put(TransferResult(out.request_id, TransferOutcome.ABORTED, error="aborted"))
-
-    def _send(self, path: Transport, out: _Outgoing, attempt: int, key: tuple[int, int]) -> None:
-        count, data = out.chunks[key]
-        layer, start = key
-        chunk = KVChunk(
-            out.request_id, attempt, layer, start, count, out.num_tokens, xxhash.xxh3_64_intdigest(data), data
-        )
-        out.bytes += path.send_chunk(chunk)
+    def _send_part(self, out: _Outgoing, k: int) -> None:
+        assert out.session is not None
+        p = out.parts[k]
+        frame = KVFrame(out.session.session, 0, k, p.layer, p.start, p.count, xxhash.xxh3_64_intdigest(p.data), p.data)
+        out.bytes += self._path(out).send_frame(frame)
+        out.sent.add(k)
         out.t_first = out.t_first or time.perf_counter()
 
-    def _layer(self, job: _Layer) -> None:
-        out = self._out.get(job.request_id)
-        if out is None:
-            return
-        key = (job.layer, job.start)
-        out.chunks[key] = (job.count, job.data)
-        if job.stream:
-            try:
-                self._send(self._path(*out.addresses[0]), out, 0, key)
-            except PathDownError:
-                return  # not streamed: the commit sends it (or finds the path down then)
-            out.streamed.add(key)
+    def _finish(self, out: _Outgoing) -> None:
+        """The prompt is done and the destination reserved: the rest of the frames, the one final copy
+        stage (every block), COMMIT."""
+        s = out.session
+        assert s is not None
+        try:
+            for k in range(len(out.parts)):
+                if k not in out.sent:
+                    self._send_part(out, k)
+        except PathDownError as exc:
+            out.problem = str(exc)  # the COMMIT's answer will say what is missing
+        now = time.monotonic()
+        self._act(out, [*s.final_copy(now, parts=len(out.parts)), *s.commit(now)])
 
-    def _commit(self, rid: str) -> None:
-        out = self._out.pop(rid, None)
-        if out is None:
+    def _poll(self) -> None:
+        """Answers from every path, then every session's timer."""
+        for path in list(self._paths.values()):
+            while (msg := path.recv()) is not None:
+                self._answer(msg)
+        now = time.monotonic()
+        for out in list(self._out.values()):
+            if out.session is not None:
+                self._guard(out.request_id, self._act, out, out.session.on_timeout(now))
+        for sid, (_, _, until) in list(self._sessions.items()):
+            if now > until:
+                del self._sessions[sid]
+
+    def _answer(self, msg: ToSource) -> None:
+        entry = self._sessions.get(msg.session)
+        if entry is None:
+            return  # from a session ended long ago
+        s, key, _ = entry
+        out = self._out.get(msg.session.rsplit("/", 1)[0])
+        if out is not None and out.session is s:
+            self._guard(out.request_id, self._on_answer, out, s, msg)
             return
-        out.t_commit = time.perf_counter()
-        spans = sorted({(start, count) for (_, start), (count, _) in out.chunks.items()})
-        retries = fallbacks = 0
-        errors: list[str] = []
-        for attempt, (name, address) in enumerate(out.addresses):
-            path = self._path(name, address)
-            # What the first path streamed during prefill is not sent again unless found missing.
-            todo = [k for k in sorted(out.chunks) if attempt or k not in out.streamed]
-            for tries in self.retry.tries():
-                if tries:
-                    retries += 1
-                try:
-                    for key in todo:
-                        self._send(path, out, attempt, key)
-                    path.send(KVCommit(rid, attempt, out.num_tokens, self.num_layers, spans))
-                    ack = path.wait_ack(rid, attempt, self.timeout_s)
-                except PathDownError as exc:
-                    errors.append(str(exc))
-                    todo = sorted(out.chunks)
-                    continue
-                if ack is not None and ack.ok:
-                    now = time.perf_counter()
-                    result = TransferResult(rid, TransferOutcome.OK, ack.block_ids, name, retries, fallbacks, out.bytes)
-                    result.seconds, result.stream_seconds = now - out.t_commit, now - (out.t_first or out.t_commit)
-                    self._results.put(result)
+        # An ended session: a destination that still holds blocks for it is told to let them go.
+        if isinstance(msg, Decision) or not s.finished:
+            return
+        for action in s.receive(msg, time.monotonic()):
+            if isinstance(action, Send):
+                with contextlib.suppress(PathDownError):
+                    self._paths[key].send(action.message)
+
+    def _on_answer(self, out: _Outgoing, s: SourceSession, msg: ToSource) -> None:
+        now = time.monotonic()
+        if isinstance(msg, Decision):
+            self._act(out, s.on_decided(msg.outcome, now))
+            return
+        was = s.state
+        if isinstance(msg, CommitAck) and msg.missing and s.state is SourceState.COMMITTING:
+            named = {part for stage, part in msg.parts if stage == 0}
+            out.problem = f"{out.addresses[out.path][0]}: {len(named) or len(out.parts)} chunks missing or corrupt"
+            if msg.attempt == s.attempt and s.attempt < self.retries:
+                self.retry.sleep(s.attempt)
+                out.sent -= named or set(range(len(out.parts)))  # sent again before the copy stage's manifest
+        if isinstance(msg, Abort):
+            out.problem = f"{out.addresses[out.path][0]}: " + (
+                f"no room for {out.n_blocks} KV blocks" if msg.reason is AbortReason.NO_ROOM else f"{msg.reason}"
+            )
+        self._act(out, s.receive(msg, now))
+        if was is SourceState.PREALLOCATING and s.state is SourceState.COPYING:
+            for k, p in enumerate(out.parts):
+                if p.stream and k not in out.sent:
+                    self._send_part(out, k)
+            if out.commit_wanted:
+                self._finish(out)
+
+    def _act(self, out: _Outgoing, actions: list[Action], reported: bool = False) -> None:
+        s = out.session
+        for a in actions:
+            match a:
+                case Send(message=Copy() as copy):
+                    for k in range(copy.parts):
+                        if k not in out.sent:
+                            self._try(out, lambda k=k: self._send_part(out, k))
+                    self._try(out, lambda m=copy: self._path(out).send(m))
+                case Send(message=msg):
+                    if isinstance(msg, Prealloc | Commit) and s is not None and s.attempt:
+                        out.retries += 1
+                    self._try(out, lambda m=msg: self._path(out).send(m))
+                case Decide():
+                    out.asks += 1
+                    if out.asks > self.retries + 1:
+                        # In doubt and nobody answers: the router sends the request on with the fallback
+                        # (the decode side's claim finds the blocks only if the ledger said COMMITTED).
+                        out.errors.append(f"{out.addresses[out.path][0]}: no decision from the destination")
+                        self._end(out, TransferOutcome.FAILED)
+                        return
+                    out.retries += out.asks > 1
+                    self._try(out, lambda d=a: self._path(out).send(AskDecision(d.session, d.proposal)))
+                case ResumeAtSource(reason=reason):
+                    if reported:
+                        return
+                    why = "no answer" if reason is AbortReason.TIMEOUT else str(reason)
+                    out.errors.append(out.problem or f"{out.addresses[out.path][0]}: {why}")
+                    self._next_path(out)
                     return
-                if ack is not None and ack.error:
-                    errors.append(f"{name}: {ack.error}")
-                    break  # the receiver refused the transfer itself (no room): retrying cannot help
-                todo = [(layer, start) for layer, start in ack.missing] if ack is not None else sorted(out.chunks)
-                errors.append(f"{name}: " + ("no answer" if ack is None else f"{len(todo)} chunks missing or corrupt"))
-            with contextlib.suppress(PathDownError):
-                path.send(KVAbort(rid))
-            fallbacks += 1
-        seconds = time.perf_counter() - out.t_commit
-        error = "every path failed: " + "; ".join(errors[-3:])
-        result = TransferResult(rid, TransferOutcome.FAILED, [], "", retries, fallbacks, out.bytes, seconds, error)
+                case LetGo():
+                    assert s is not None
+                    self._end(out, TransferOutcome.OK, list(s.dest_blocks))
+                    return
+
+    def _try(self, out: _Outgoing, send) -> None:  # noqa: ANN001 - a send with its arguments bound
+        """A send on a path that is down is an unanswered one: the session's timer retries, then aborts."""
+        try:
+            send()
+        except PathDownError as exc:
+            out.problem = str(exc)
+
+    def _next_path(self, out: _Outgoing) -> None:
+        self._retire(out)
+        out.fallbacks += 1
+        out.path += 1
+        if out.path < len(out.addresses):
+            self._open(out)
+        else:
+            self._end(out, TransferOutcome.FAILED)
+
+    def _retire(self, out: _Outgoing) -> None:
+        if out.session is not None:
+            sid = out.session.session
+            self._sessions[sid] = (out.session, self._sessions[sid][1], time.monotonic() + TOMBSTONE_S)
+            out.session = None
+
+    def _end(self, out: _Outgoing, outcome: TransferOutcome, block_ids: list[int] | None = None) -> None:
+        if self._out.pop(out.request_id, None) is None:
+            return
+        self._retire(out)
+        now = time.perf_counter()
+        t_commit = out.t_commit or now
+        result = TransferResult(out.request_id, outcome, block_ids or [], retries=out.retries, fallbacks=out.fallbacks)
+        result.bytes, result.seconds = out.bytes, now - t_commit
+        if outcome is TransferOutcome.OK:
+            result.path, result.stream_seconds = out.addresses[out.path][0], now - (out.t_first or t_commit)
+        elif outcome is TransferOutcome.ABORTED:
+            result.error = "aborted"
+        else:
+            result.error = "every path failed: " + "; ".join(out.errors[-3:])
         self._results.put(result)

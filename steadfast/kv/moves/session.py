@@ -19,150 +19,73 @@ a message for an unknown session as reaching a NEW destination, so a late PREALL
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import dataclass_transform
 
+from steadfast.kv.moves.messages import (
+    Abort,
+    AbortReason,
+    Action,
+    Adopt,
+    Commit,
+    CommitAck,
+    Committed,
+    Copy,
+    Decide,
+    DestinationState,
+    LetGo,
+    Message,
+    MoveKind,
+    MoveOutcome,
+    MoveProtocolError,
+    PauseRequest,
+    Prealloc,
+    Release,
+    Reserve,
+    Reserved,
+    ResumeAtSource,
+    Send,
+    SourceState,
+)
+from steadfast.kv.moves.retry import RetryPolicy
 
-class MoveKind(enum.StrEnum):
-    HANDOFF = "handoff"  # same node: the ledger owner changes, no byte moves (zero blocks, zero stages)
-    TRANSFER = "transfer"  # prefill -> decode across nodes
-    MIGRATION = "migration"  # decode -> decode: stages of sealed blocks, then stop-and-copy
-    OFFLOAD = "offload"  # to or from a slower tier
-
-
-class MoveOutcome(enum.StrEnum):
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-
-
-class AbortReason(enum.StrEnum):
-    SOURCE_ABORT = "source_abort"
-    DESTINATION_ABORT = "destination_abort"
-    NO_ROOM = "no_room"
-    TIMEOUT = "timeout"
-    SOURCE_VANISHED = "source_vanished"
-    REQUEST_ENDED = "request_ended"
-    PATH_FAILED = "path_failed"
-
-
-class SourceState(enum.StrEnum):
-    IDLE = "idle"
-    PREALLOCATING = "preallocating"  # PREALLOC sent, waiting for RESERVED
-    COPYING = "copying"  # copy stages; the request runs until the final copy pauses it
-    COMMITTING = "committing"  # COMMIT sent, waiting for the ack
-    DECIDING = "deciding"  # acked; the ledger's decision is being asked for
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-
-
-class DestinationState(enum.StrEnum):
-    NEW = "new"
-    RESERVING = "reserving"  # asked the pool for blocks
-    RESERVED = "reserved"
-    RECEIVING = "receiving"
-    PREPARED = "prepared"  # verified and acked; holds the reservation, must not run the request
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-
-
-class MoveProtocolError(RuntimeError):
-    """A call that is invalid in the session's state, or a message that contradicts the protocol."""
-
-
-@dataclass_transform(frozen_default=True)
-class _Frozen:
-    """Every subclass is a frozen dataclass: the messages and actions below."""
-
-    def __init_subclass__(cls) -> None:
-        dataclass(frozen=True)(cls)
-
-
-# --- messages (source <-> destination) ---------------------------------------------------------------
-class _Message(_Frozen):
-    session: str
-
-
-class Prealloc(_Message):
-    n_blocks: int
-
-
-class Reserved(_Message):
-    block_ids: tuple[int, ...]
-
-
-class Copy(_Message):
-    stage: int
-    positions: tuple[int, ...]  # indices into the request's block table; position i lands in block_ids[i]
-    final: bool
-
-
-class Commit(_Message):
-    attempt: int
-    stages: int  # copy stages sent: the destination checks it has every one
-
-
-class CommitAck(_Message):
-    attempt: int
-    missing: tuple[int, ...] = ()  # stages to send again; empty: prepared
-
-
-class Committed(_Message): ...  # the ledger recorded COMMITTED: the destination may run the request
-
-
-class Abort(_Message):
-    reason: AbortReason
-
-
-Message = Prealloc | Reserved | Copy | Commit | CommitAck | Committed | Abort
-
-
-# --- actions (what the caller must do) ---------------------------------------------------------------
-class Send(_Frozen):
-    message: Message
-
-
-class Reserve(_Frozen):
-    n_blocks: int  # grant blocks RESERVED(session, destination); answer with on_granted
-
-
-class Release(_Frozen):
-    block_ids: tuple[int, ...]  # give the reservation back to the pool
-
-
-class Decide(_Frozen):
-    """One idempotent ledger transaction, retried until it answers: if the session is undecided, record
-    `proposal` (COMMITTED also records owner := destination). Answer with on_decided(the recorded decision)."""
-
-    session: str
-    proposal: MoveOutcome
-
-
-class PauseRequest(_Frozen): ...  # stop generating tokens for the request (source side, final copy only)
-
-
-class ResumeAtSource(_Frozen):
-    reason: AbortReason  # the move failed: the source keeps (and, if paused, resumes) the request
-
-
-class LetGo(_Frozen): ...  # the ledger owner is the destination: the source drops the request and frees its old blocks
-
-
-class Adopt(_Frozen):
-    block_ids: tuple[int, ...]  # the destination runs the request on these blocks from now on
-
-
-Action = Send | Reserve | Release | Decide | PauseRequest | ResumeAtSource | LetGo | Adopt
+__all__ = [
+    "Abort",
+    "AbortReason",
+    "Action",
+    "Adopt",
+    "Commit",
+    "CommitAck",
+    "Committed",
+    "Copy",
+    "Decide",
+    "DestinationSession",
+    "DestinationState",
+    "LetGo",
+    "Message",
+    "MoveKind",
+    "MoveOutcome",
+    "MoveProtocolError",
+    "PauseRequest",
+    "Prealloc",
+    "Release",
+    "Reserve",
+    "Reserved",
+    "ResumeAtSource",
+    "Send",
+    "SourceSession",
+    "SourceState",
+]
 
 
 class SourceSession:
     """The side that owns the request. It drives the session. It retries PREALLOC and COMMIT with
-    exponential backoff (`timeout_s * 2**attempt`) and aborts with TIMEOUT after `retries` resends."""
+    exponential backoff (the moves' one `RetryPolicy`: `timeout_s`, then twice that, ...) and aborts with
+    TIMEOUT after `retries` resends."""
 
     def __init__(self, session: str, kind: MoveKind, timeout_s: float, retries: int = 3, max_stages: int = 4):
-        self.session, self.kind, self.timeout_s, self.retries = session, kind, timeout_s, retries
+        self.session, self.kind, self.timeout_s = session, kind, timeout_s
+        self.retry = RetryPolicy(retries, timeout_s)
         self.max_stages = 0 if kind is MoveKind.HANDOFF else max_stages  # copy stages before the final one
         self.state, self.n_blocks, self.paused, self.attempt, self.deadline = SourceState.IDLE, 0, False, 0, math.inf
         self.reason: AbortReason | None = None
@@ -191,24 +114,25 @@ class SourceSession:
         self._arm(now, 0)
         return [Send(Prealloc(self.session, n_blocks))]
 
-    def copy_stage(self, positions: Sequence[int], now: float) -> list[Action]:
-        """Copy `positions` (blocks sealed since the previous stage) while the request keeps running."""
+    def copy_stage(self, positions: Sequence[int], now: float, parts: int = 0) -> list[Action]:
+        """Copy `positions` (blocks sealed since the previous stage) while the request keeps running;
+        `parts`: how many data frames carry its bytes (the destination waits for each)."""
         self._expect("copy_stage", SourceState.COPYING)
         if self.paused or len(self.copies) >= self.max_stages:
             raise MoveProtocolError(f"no copy stage {len(self.copies) + 1} in {self.kind} (at most {self.max_stages})")
         sent, given = self._sent(), set(positions)
         if not given or len(given) < len(positions) or any(p in sent or not 0 <= p < self.n_blocks for p in given):
             raise MoveProtocolError(f"bad positions for a copy stage: {list(positions)}")
-        return self._copy(tuple(sorted(positions)), final=False)
+        return self._copy(tuple(sorted(positions)), final=False, parts=parts)
 
-    def final_copy(self, now: float) -> list[Action]:
+    def final_copy(self, now: float, parts: int = 0) -> list[Action]:
         """Pause the request, then copy every block not copied yet, the partial block included."""
         self._expect("final_copy", SourceState.COPYING)
         if self.paused:
             raise MoveProtocolError("final_copy twice")
         self.paused, sent = True, self._sent()
         rest = tuple(p for p in range(self.n_blocks) if p not in sent)
-        return [PauseRequest(), *(self._copy(rest, final=True) if rest else [])]
+        return [PauseRequest(), *(self._copy(rest, final=True, parts=parts) if rest else [])]
 
     def commit(self, now: float) -> list[Action]:
         self._expect("commit", SourceState.COPYING)
@@ -256,7 +180,7 @@ class SourceSession:
             return [Decide(self.session, MoveOutcome.COMMITTED)]
         if msg.attempt != self.attempt:
             return []  # a complaint about an older attempt; the current one is already on its way
-        if self.attempt >= self.retries:
+        if self.attempt >= self.retry.retries:
             return self._abort(AbortReason.PATH_FAILED, tell=True)
         self._arm(now, self.attempt + 1)
         resend = [Send(self.copies[s]) for s in msg.missing]
@@ -284,22 +208,22 @@ class SourceSession:
         if self.state is SourceState.DECIDING:
             self._arm(now, 0)
             return [Decide(self.session, MoveOutcome.COMMITTED)]
-        if self.attempt >= self.retries:
+        if self.attempt >= self.retry.retries:
             return self._abort(AbortReason.TIMEOUT, tell=True)
         self._arm(now, self.attempt + 1)
         if self.state is SourceState.PREALLOCATING:
             return [Send(Prealloc(self.session, self.n_blocks))]
         return [Send(Commit(self.session, self.attempt, len(self.copies)))]
 
-    def _copy(self, positions: tuple[int, ...], final: bool) -> list[Action]:
-        self.copies.append(Copy(self.session, len(self.copies), positions, final))
+    def _copy(self, positions: tuple[int, ...], final: bool, parts: int = 0) -> list[Action]:
+        self.copies.append(Copy(self.session, len(self.copies), positions, final, parts))
         return [Send(self.copies[-1])]
 
     def _sent(self) -> set[int]:
         return {p for copy in self.copies for p in copy.positions}
 
     def _arm(self, now: float, attempt: int) -> None:
-        self.attempt, self.deadline = attempt, now + self.timeout_s * 2**attempt
+        self.attempt, self.deadline = attempt, now + self.retry.wait(attempt)
 
     def _abort(self, reason: AbortReason, tell: bool) -> list[Action]:
         self.state, self.reason, self.deadline = SourceState.ABORTED, reason, math.inf
@@ -349,7 +273,7 @@ class DestinationSession:
         raise MoveProtocolError(f"a destination does not receive {type(msg).__name__}")
 
     def on_prealloc(self, msg: Prealloc, now: float) -> list[Action]:
-        self._heard(now)
+        self.heard(now)
         if self.state is DestinationState.NEW:
             self.state, self.n_blocks, self._grant_pending = DestinationState.RESERVING, msg.n_blocks, True
             return [Reserve(msg.n_blocks)]
@@ -362,7 +286,7 @@ class DestinationSession:
         if not self._grant_pending:
             raise MoveProtocolError(f"a grant nobody asked for ({self.state})")
         self._grant_pending = False
-        self._heard(now)  # a slow pool is not a quiet source
+        self.heard(now)  # a slow pool is not a quiet source
         granted = tuple(block_ids or ())
         if self.state is DestinationState.ABORTED:  # aborted while the pool was being asked
             return [Release(granted)] if granted else []
@@ -372,7 +296,7 @@ class DestinationSession:
         return [Send(Reserved(self.session, granted))]
 
     def on_copy(self, msg: Copy, now: float) -> list[Action]:
-        self._heard(now)
+        self.heard(now)
         if self.state not in (DestinationState.RESERVED, DestinationState.RECEIVING):
             return []  # a straggler or a resend that is no longer needed
         if any(not 0 <= p < len(self.block_ids) for p in msg.positions):
@@ -381,7 +305,7 @@ class DestinationSession:
         return []
 
     def on_commit(self, msg: Commit, now: float) -> list[Action]:
-        self._heard(now)
+        self.heard(now)
         if self.state in (DestinationState.RESERVED, DestinationState.RECEIVING):
             missing = tuple(s for s in range(msg.stages) if s not in self.got)
             if missing:
@@ -394,7 +318,7 @@ class DestinationSession:
         return self._refuse()
 
     def on_committed(self, msg: Committed, now: float) -> list[Action]:
-        self._heard(now)
+        self.heard(now)
         return self.on_decided(MoveOutcome.COMMITTED, now)
 
     def on_decided(self, outcome: MoveOutcome, now: float) -> list[Action]:
@@ -408,7 +332,7 @@ class DestinationSession:
         raise MoveProtocolError(f"decision {outcome} reached a destination {self.state}")
 
     def on_abort(self, msg: Abort, now: float) -> list[Action]:
-        self._heard(now)
+        self.heard(now)
         if self.state is DestinationState.COMMITTED:
             raise MoveProtocolError("ABORT after the ledger recorded COMMITTED")
         # A source sends ABORT only before it proposes COMMITTED, so release even when PREPARED.
@@ -435,7 +359,8 @@ class DestinationSession:
         self.state, self.reason = DestinationState.ABORTED, reason
         return [*actions, *([Send(Abort(self.session, reason))] if tell else [])]
 
-    def _heard(self, now: float) -> None:
+    def heard(self, now: float) -> None:
+        """The source is alive (a data frame of this session arrived): the watchdog waits again."""
         self.last_heard = max(self.last_heard, now)
 
     def _refuse(self) -> list[Action]:

@@ -8,12 +8,12 @@ block without a bound: a path that cannot take data raises `PathDownError` and t
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
+import msgspec
 import zmq
 
-from steadfast.kv.moves.wire import KVAbort, KVAck, KVChunk, KVCommit, decode_ack, encode
+from steadfast.kv.moves.wire import KVFrame, ToDestination, ToSource, decode_to_source, encode
 
 
 class PathDownError(ConnectionError):
@@ -25,14 +25,14 @@ class Transport(Protocol):
 
     name: str  # "primary", "alternate", ...: what results and metrics call it
 
-    def send_chunk(self, chunk: KVChunk) -> int:
-        """Send one chunk; returns the bytes of K/V put on the wire (0 when none went)."""
+    def send_frame(self, frame: KVFrame) -> int:
+        """Send one frame of K/V; returns the bytes of K/V put on the wire (0 when none went)."""
         ...
 
-    def send(self, msg: KVCommit | KVAbort) -> None: ...
+    def send(self, msg: ToDestination) -> None: ...
 
-    def wait_ack(self, request_id: str, attempt: int, timeout_s: float) -> KVAck | None:
-        """The receiver's answer to that attempt's commit, or None when none came in `timeout_s`."""
+    def recv(self) -> ToSource | None:
+        """The receiver's next message if one is waiting (never blocks); None when none is."""
         ...
 
     def close(self) -> None: ...
@@ -49,6 +49,7 @@ class ZmqPath:
         # must fail the attempt (PathDownError), never hang the sender.
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # answers are small: a peer sending more is not one
         self.sock.connect(address)
 
     def _send(self, data: bytes) -> None:
@@ -57,22 +58,23 @@ class ZmqPath:
         except zmq.Again as exc:
             raise PathDownError(f"{self.name} path to {self.address} is not taking data") from exc
 
-    def send_chunk(self, chunk: KVChunk) -> int:
-        self._send(encode(chunk))
-        return len(chunk.data)
+    def send_frame(self, frame: KVFrame) -> int:
+        self._send(encode(frame))
+        return len(frame.data)
 
-    def send(self, msg: KVCommit | KVAbort) -> None:
+    def send(self, msg: ToDestination) -> None:
         self._send(encode(msg))
 
-    def wait_ack(self, request_id: str, attempt: int, timeout_s: float) -> KVAck | None:
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not self.sock.poll(int(left * 1000) + 1):
+    def recv(self) -> ToSource | None:
+        while True:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
                 return None
-            ack = decode_ack(self.sock.recv())
-            if ack.request_id == request_id and ack.attempt == attempt:
-                return ack
-        return None
+            try:
+                return decode_to_source(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # not a receiver's answer: skip it
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -1,10 +1,12 @@
-"""The KV transfer wire: the messages a prefill worker's sender and a decode worker's receiver exchange,
-and their encoding (msgspec msgpack, never pickle).
+"""The KV move wire between nodes: the move session's messages (`kv/moves/messages.py`) plus the frames that
+carry a copy stage's bytes and the two messages that reach the destination node's ledger; their encoding
+(msgspec msgpack, never pickle).
 
-A transfer is `KVChunk`s, each one layer's K and V for a span of token positions with an xxh3-64
-checksum, then a `KVCommit` listing every span sent. The receiver answers `KVAck`: complete (with the
-block ids that now hold the KV), or the chunks still missing or corrupt, which the sender resends.
-`KVAbort` tells the receiver to free what it granted.
+A source opens a session with PREALLOC; once RESERVED it sends `KVFrame`s (one layer's K and V for a span of
+token positions, xxh3-64 checksummed; part `k` of copy stage `s`), each stage's `Copy` (how many parts it has),
+then COMMIT. The destination acks with the stages and parts it still lacks, or prepared. The ledger that
+records the decision is the destination node's (one ledger per node until etcd), so the source asks for it
+with `AskDecision` and hears `Decision`, then tells the destination `Committed`. ABORT from either side.
 
 This module owns the message shapes only: it must never open a socket, touch an arena or decide a retry.
 """
@@ -13,56 +15,59 @@ from __future__ import annotations
 
 import msgspec
 
+from steadfast.kv.moves.messages import (
+    Abort,
+    Commit,
+    CommitAck,
+    Committed,
+    Copy,
+    MoveOutcome,
+    Prealloc,
+    Reserved,
+)
 
-class KVChunk(msgspec.Struct, tag="chunk", array_like=True):
-    request_id: str
-    attempt: int  # a new attempt (another path) starts clean: older chunks are ignored
+MAX_MESSAGE_BYTES = 256 << 20  # a frame is one layer of one prefill chunk: far below this
+
+
+class KVFrame(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    session: str
+    stage: int
+    part: int  # its index among the stage's parts (resends keep it)
     layer: int
     start: int  # first token position
     count: int
-    num_tokens: int  # tokens of KV the whole transfer carries
     checksum: int  # xxh3-64 of data
     data: bytes  # [2 (K, V), kv_heads, count, head_dim] in the arena dtype
 
 
-class KVCommit(msgspec.Struct, tag="commit", array_like=True):
-    request_id: str
-    attempt: int
-    num_tokens: int
-    num_layers: int
-    spans: list[tuple[int, int]]  # (start, count) of every span, each sent for every layer
+class AskDecision(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Record `proposal` for the session unless it is decided, and answer with what is recorded."""
+
+    session: str
+    proposal: MoveOutcome
 
 
-class KVAbort(msgspec.Struct, tag="abort", array_like=True):
-    """The sender gives the transfer up: the receiver frees what it granted for it."""
-
-    request_id: str
-
-
-class KVAck(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    attempt: int
-    ok: bool
-    block_ids: list[int] = []
-    missing: list[tuple[int, int]] = []  # (layer, start) to send again
-    error: str = ""
+class Decision(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    session: str
+    outcome: MoveOutcome
 
 
-ToReceiver = KVChunk | KVCommit | KVAbort
+ToDestination = Prealloc | KVFrame | Copy | Commit | Committed | Abort | AskDecision
+ToSource = Reserved | CommitAck | Abort | Decision
 
-_to_receiver = msgspec.msgpack.Decoder(ToReceiver)
-_ack = msgspec.msgpack.Decoder(KVAck)
+_to_destination = msgspec.msgpack.Decoder(ToDestination)
+_to_source = msgspec.msgpack.Decoder(ToSource)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(msg: KVChunk | KVCommit | KVAbort | KVAck) -> bytes:
+def encode(msg: ToDestination | ToSource) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_to_receiver(data: bytes) -> ToReceiver:
-    """A sender's message; raises `msgspec.DecodeError` on bytes that are none."""
-    return _to_receiver.decode(data)
+def decode_to_destination(data: bytes) -> ToDestination:
+    """A source's message; raises `msgspec.DecodeError` (or ValidationError) on bytes that are none."""
+    return _to_destination.decode(data)
 
 
-def decode_ack(data: bytes) -> KVAck:
-    return _ack.decode(data)
+def decode_to_source(data: bytes) -> ToSource:
+    return _to_source.decode(data)
