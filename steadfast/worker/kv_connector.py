@@ -176,6 +176,7 @@ class KVConnector:
         having failed, that it must compute the prompt itself — and the requests they let go."""
         if self.sender is None:
             return [], []
+        self.sender.touch([rid for rid, move in self._out.items() if not move.ended])
         outputs, gone = [], []
         for r in self.sender.results():
             move = self._out.pop(r.request_id, None)

@@ -54,6 +54,7 @@ from steadfast.kv.moves.wire import (
 log = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT_S = 30.0  # a committed move nobody claimed this long is given back to the pool
+QUIET_FLOOR_S = 2.0  # a source is taken to be gone only after this long without a word, at least
 TOMBSTONE_S = 60.0  # an ended session is remembered this long: a late PREALLOC never reserves again
 
 Decider = Callable[[str, MoveOutcome], MoveOutcome]
@@ -100,11 +101,15 @@ class KVReceiver:
         """`addresses`: one per path (`tcp://host:0` takes a free port). `lease_check` raises unless
         this worker's lease is surely valid: no byte is written without. `decide`: records a session's
         decision in this node's ledger unless one is recorded, returning the recorded one (None: kept
-        in memory, for a receiver with no ledger). A source quiet for `2 * timeout_s` is taken to be gone."""
+        in memory, for a receiver with no ledger). A source quiet for `2 * timeout_s` (at least
+        `QUIET_FLOOR_S`) is taken to be gone."""
         self.arena, self.block_size = arena, block_size
         self.lease_check = lease_check
         self.grant, self.release, self.timeout_s = grant, release, timeout_s
         self.decide: Decider = decide if decide is not None else MemoryDecisions()
+        # A step of a loaded prefill worker (its sender thread shares the cores with the forward pass)
+        # can outlast a short timeout, and taking a live source for a vanished one costs it a path.
+        self.quiet_s = max(2 * timeout_s, QUIET_FLOOR_S)
         self.ctx = zmq.Context.instance()
         self.socks: list[zmq.Socket] = []
         self.addresses: list[str] = []
@@ -156,15 +161,21 @@ class KVReceiver:
             poller.register(sock, zmq.POLLIN)
         while not self._stop:
             for sock, _ in poller.poll(100):
-                frames = sock.recv_multipart()
-                if len(frames) != 2:
-                    continue
-                try:
-                    self._handle(sock, frames[0], decode_to_destination(frames[1]))
-                except Exception as exc:  # one bad message must not stop the receiver
-                    log.exception("bad KV move message")
-                    self.corrupt_chunks += isinstance(exc, msgspec.DecodeError | msgspec.ValidationError)
-            self._expire()
+                for _ in range(256):  # what is waiting, a bounded batch per socket
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) != 2:
+                        continue
+                    try:
+                        self._handle(sock, frames[0], decode_to_destination(frames[1]))
+                    except Exception as exc:  # one bad message must not stop the receiver
+                        log.exception("bad KV move message")
+                        self.corrupt_chunks += isinstance(exc, msgspec.DecodeError | msgspec.ValidationError)
+            # Only with every socket read: a source whose messages wait unread is not a quiet one.
+            if not any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in self.socks):
+                self._expire()
 
     def _handle(self, sock: zmq.Socket, peer: bytes, msg: ToDestination) -> None:
         now = time.monotonic()
@@ -216,7 +227,7 @@ class KVReceiver:
         if old is not None and not old.session.finished:
             self._act(old, old.session.abort(AbortReason.SOURCE_ABORT, time.monotonic()), time.monotonic())
         inc = self._sessions[msg.session] = _Incoming(
-            DestinationSession(msg.session, 2 * self.timeout_s), rid, sock, peer
+            DestinationSession(msg.session, self.quiet_s), rid, sock, peer
         )
         self._latest[rid] = msg.session
         return inc
@@ -293,10 +304,11 @@ class KVReceiver:
                         log.exception("KV move %s: the watchdog failed; it tries again", sid)
                     if inc.session.state is DestinationState.ABORTED:
                         log.warning(
-                            "KV transfer of %s expired (session %s: its source went quiet); its blocks go back"
-                            " to the pool",
+                            "KV transfer of %s expired (session %s: its source went quiet for %.2f s); its blocks"
+                            " go back to the pool",
                             inc.request_id,
                             sid,
+                            now - inc.session.last_heard,
                         )
                 elif now - inc.ended > TOMBSTONE_S:
                     del self._sessions[sid]

@@ -23,6 +23,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import xxhash
@@ -107,11 +108,16 @@ class _Abort:
 
 
 @dataclass(frozen=True)
+class _Touch:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class _Stop:
     pass
 
 
-_Job = _Begin | _Layer | _Commit | _Abort | _Stop
+_Job = _Begin | _Layer | _Commit | _Abort | _Touch | _Stop
 
 
 @dataclass
@@ -127,6 +133,8 @@ class _Outgoing:
     commit_wanted: bool = False
     asks: int = 0  # decisions asked for in the current session
     problem: str = ""  # what the current path's last answer said was wrong
+    heartbeat: float = 0.0  # when the current session last told the destination it is alive
+    alive: float = 0.0  # when the engine last gave this transfer a job or a touch
     errors: list[str] = field(default_factory=list)
     retries: int = 0
     fallbacks: int = 0
@@ -188,6 +196,12 @@ class KVSender:
     def abort(self, request_id: str) -> None:
         self._jobs.put(_Abort(request_id))
 
+    def touch(self, request_ids: list[str]) -> None:
+        """These transfers' requests are still alive here (the engine says so once a step): their
+        sessions keep the destination's watchdog away while the prompt computes."""
+        if request_ids:
+            self._jobs.put(_Touch(tuple(request_ids)))
+
     def results(self) -> list[TransferResult]:
         out = []
         while True:
@@ -212,14 +226,19 @@ class KVSender:
                 job = None
             if isinstance(job, _Stop):
                 return
-            if job is not None:
+            if isinstance(job, _Touch):
+                now = time.monotonic()
+                for rid in job.request_ids:
+                    if rid in self._out:
+                        self._out[rid].alive = now
+            elif job is not None:
                 self._guard(job.request_id, self._job, job)
             self._poll()
 
     def _wait(self) -> float | None:
         """How long the thread may sleep on its job queue: briefly while an answer is awaited."""
         waiting = any(o.session is not None and o.session.state is not SourceState.COPYING for o in self._out.values())
-        return 0.002 if waiting else (0.2 if self._sessions else None)
+        return 0.002 if waiting else (min(0.2, self.timeout_s / 4) if self._sessions else None)
 
     def _guard(self, rid: str, fn, *args) -> None:  # noqa: ANN001 - a handler and its arguments
         try:
@@ -231,7 +250,9 @@ class KVSender:
                 out.errors.append(f"sender error: {exc}")
                 self._end(out, TransferOutcome.FAILED)
 
-    def _job(self, job: _Job) -> None:
+    def _job(self, job: _Begin | _Layer | _Commit | _Abort) -> None:
+        if job.request_id in self._out:
+            self._out[job.request_id].alive = time.monotonic()
         match job:
             case _Begin():
                 n_blocks = -(-job.num_tokens // self.block_size)
@@ -247,8 +268,10 @@ class KVSender:
                 if job.stream:
                     if out.session is None:
                         self._open(out)
-                    elif out.session.state is SourceState.COPYING and not out.session.paused:
-                        self._send_part(out, len(out.parts) - 1)
+                    elif (
+                        out.session.state is SourceState.COPYING and not out.problem
+                    ):  # (a refused send: at the commit)
+                        self._send_parts(out, [len(out.parts) - 1])
             case _Commit():
                 out = self._out.get(job.request_id)
                 if out is None:
@@ -285,7 +308,7 @@ class KVSender:
         sid = f"{out.request_id}/{out.path}"
         s = out.session = SourceSession(sid, MoveKind.TRANSFER, self.timeout_s, self.retries)
         self._sessions[sid] = (s, out.addresses[out.path], math.inf)
-        out.sent, out.asks, out.problem = set(), 0, ""
+        out.sent, out.asks, out.problem, out.heartbeat = set(), 0, "", time.monotonic()
         self._act(out, s.prealloc(out.n_blocks, time.monotonic()))
 
     def _send_part(self, out: _Outgoing, k: int) -> None:
@@ -296,17 +319,23 @@ class KVSender:
         out.sent.add(k)
         out.t_first = out.t_first or time.perf_counter()
 
+    def _send_parts(self, out: _Outgoing, parts: Iterable[int]) -> None:
+        """Those of `parts` not sent in this session yet, up to the first the path refuses (a path that
+        is down is not asked again for every part; the session's timer deals with it)."""
+        for k in parts:
+            if k not in out.sent:
+                try:
+                    self._send_part(out, k)
+                except PathDownError as exc:
+                    out.problem = str(exc)
+                    return
+
     def _finish(self, out: _Outgoing) -> None:
         """The prompt is done and the destination reserved: the rest of the frames, the one final copy
         stage (every block), COMMIT."""
         s = out.session
         assert s is not None
-        try:
-            for k in range(len(out.parts)):
-                if k not in out.sent:
-                    self._send_part(out, k)
-        except PathDownError as exc:
-            out.problem = str(exc)  # the COMMIT's answer will say what is missing
+        self._send_parts(out, range(len(out.parts)))  # one lost: the ack names it
         now = time.monotonic()
         self._act(out, [*s.final_copy(now, parts=len(out.parts)), *s.commit(now)])
 
@@ -319,6 +348,19 @@ class KVSender:
         for out in list(self._out.values()):
             if out.session is not None:
                 self._guard(out.request_id, self._act, out, out.session.on_timeout(now))
+            s = out.session
+            # The heartbeat: frames are data and may be lost, and a step can outlast the destination's
+            # watchdog, so while the engine shows the transfer alive a repeated PREALLOC (idempotent:
+            # answered with the same RESERVED) tells the destination the source is there. An engine
+            # silent for `timeout_s` gets none: its reservation expires as a vanished source's.
+            if (
+                s is not None
+                and s.state is SourceState.COPYING
+                and now - out.heartbeat > self.timeout_s / 2
+                and now - out.alive < self.timeout_s
+            ):
+                out.heartbeat = now
+                self._try(out, lambda s=s, out=out: self._path(out).send(Prealloc(s.session, out.n_blocks)))
         for sid, (_, _, until) in list(self._sessions.items()):
             if now > until:
                 del self._sessions[sid]
@@ -353,14 +395,15 @@ class KVSender:
                 self.retry.sleep(s.attempt)
                 out.sent -= named or set(range(len(out.parts)))  # sent again before the copy stage's manifest
         if isinstance(msg, Abort):
+            log.warning(
+                "KV transfer of %s: the destination aborted session %s (%s)", out.request_id, s.session, msg.reason
+            )
             out.problem = f"{out.addresses[out.path][0]}: " + (
                 f"no room for {out.n_blocks} KV blocks" if msg.reason is AbortReason.NO_ROOM else f"{msg.reason}"
             )
         self._act(out, s.receive(msg, now))
         if was is SourceState.PREALLOCATING and s.state is SourceState.COPYING:
-            for k, p in enumerate(out.parts):
-                if p.stream and k not in out.sent:
-                    self._send_part(out, k)
+            self._send_parts(out, [k for k, p in enumerate(out.parts) if p.stream])
             if out.commit_wanted:
                 self._finish(out)
 
@@ -369,9 +412,7 @@ class KVSender:
         for a in actions:
             match a:
                 case Send(message=Copy() as copy):
-                    for k in range(copy.parts):
-                        if k not in out.sent:
-                            self._try(out, lambda k=k: self._send_part(out, k))
+                    self._send_parts(out, range(copy.parts))
                     self._try(out, lambda m=copy: self._path(out).send(m))
                 case Send(message=msg):
                     if isinstance(msg, Prealloc | Commit) and s is not None and s.attempt:
