@@ -27,10 +27,11 @@ from steadfast.config import Config
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.ledger import ReceiverGoneError
+from steadfast.kv.moves.messages import MoveKind
 from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
-from steadfast.kv.moves.sender import KVSender, TransferOutcome
-from steadfast.kv.moves.session import MoveKind
+from steadfast.kv.moves.sender import KVSender
+from steadfast.kv.moves.sender_jobs import TransferOutcome
 from steadfast.protocol import AddRequest, Fallback, FinishReason, Handoff, RequestOutput, Route
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.request import Request

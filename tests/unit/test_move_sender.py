@@ -4,8 +4,6 @@ decides (the source gives up in doubt and says so), and a destination that refus
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import zmq
 
@@ -20,8 +18,10 @@ from steadfast.kv.moves.messages import (
     Prealloc,
     Reserved,
 )
-from steadfast.kv.moves.sender import KVSender, TransferOutcome
+from steadfast.kv.moves.sender import KVSender
+from steadfast.kv.moves.sender_jobs import TransferOutcome
 from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, decode_to_destination, encode
+from tests.unit.test_transfer import wait_result
 
 pytestmark = pytest.mark.unit
 
@@ -47,16 +47,6 @@ class Destination:
 
     def send(self, msg) -> None:  # noqa: ANN001 - any message a destination sends
         self.sock.send_multipart([self.peer, encode(msg)])
-
-
-def result_of(tx: KVSender, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        results = tx.results()
-        if results:
-            return results[0]
-        time.sleep(0.01)
-    raise AssertionError("no transfer result")
 
 
 @pytest.fixture
@@ -89,7 +79,7 @@ def test_the_source_speaks_the_protocol_and_asks_again_for_a_lost_decision(pair)
     # The answer is lost: the source asks again after its timeout, and then hears it.
     assert dst.next() == AskDecision("r/0", MoveOutcome.COMMITTED)
     dst.send(Decision("r/0", MoveOutcome.COMMITTED))
-    r = result_of(tx)
+    r = wait_result(tx)
     assert r.outcome is TransferOutcome.OK and r.block_ids == [7, 9] and r.retries == 1
     assert dst.next() == Committed("r/0")  # and the destination is told
 
@@ -102,7 +92,7 @@ def test_acked_but_never_decided_the_source_gives_up_in_doubt(pair):
     dst.until(Commit)
     dst.send(CommitAck("r/0", 0))
     asks = dst.until(AskDecision)
-    r = result_of(tx)
+    r = wait_result(tx)
     assert asks and r.outcome is TransferOutcome.FAILED and "no decision from the destination" in r.error
     assert r.block_ids == []  # the caller falls back: the decode side claims nothing it was not told of
 
@@ -112,6 +102,6 @@ def test_no_room_at_the_destination_fails_the_path_with_a_clear_error(pair):
     start(tx, dst)
     dst.next()
     dst.send(Abort("r/0", AbortReason.NO_ROOM))
-    r = result_of(tx)
+    r = wait_result(tx)
     assert r.outcome is TransferOutcome.FAILED and r.fallbacks == 1
     assert "no room for 2 KV blocks" in r.error

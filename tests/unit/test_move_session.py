@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from steadfast.kv.moves.session import (
+from steadfast.kv.moves.messages import (
     Abort,
     AbortReason,
     Action,
@@ -22,7 +22,6 @@ from steadfast.kv.moves.session import (
     Committed,
     Copy,
     Decide,
-    DestinationSession,
     DestinationState,
     LetGo,
     Message,
@@ -36,9 +35,9 @@ from steadfast.kv.moves.session import (
     Reserved,
     ResumeAtSource,
     Send,
-    SourceSession,
     SourceState,
 )
+from steadfast.kv.moves.session import DestinationSession, SourceSession
 
 pytestmark = pytest.mark.unit
 

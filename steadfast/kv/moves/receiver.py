@@ -226,9 +226,7 @@ class KVReceiver:
         old = self._sessions.get(self._latest.get(rid, ""))
         if old is not None and not old.session.finished:
             self._act(old, old.session.abort(AbortReason.SOURCE_ABORT, time.monotonic()), time.monotonic())
-        inc = self._sessions[msg.session] = _Incoming(
-            DestinationSession(msg.session, self.quiet_s), rid, sock, peer
-        )
+        inc = self._sessions[msg.session] = _Incoming(DestinationSession(msg.session, self.quiet_s), rid, sock, peer)
         self._latest[rid] = msg.session
         return inc
 

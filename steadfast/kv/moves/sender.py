@@ -17,7 +17,6 @@ socket beyond the `Transport` interface.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import math
 import queue
@@ -46,6 +45,17 @@ from steadfast.kv.moves.messages import (
     SourceState,
 )
 from steadfast.kv.moves.retry import RetryPolicy
+from steadfast.kv.moves.sender_jobs import (
+    AbortJob,
+    Begin,
+    CommitJob,
+    Job,
+    Layer,
+    Stop,
+    Touch,
+    TransferOutcome,
+    TransferResult,
+)
 from steadfast.kv.moves.session import SourceSession
 from steadfast.kv.moves.transport import PathDownError, Transport, ZmqPath
 from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, ToSource
@@ -55,78 +65,13 @@ log = logging.getLogger(__name__)
 TOMBSTONE_S = 60.0  # an ended session is remembered this long, so a late answer to it is recognised
 
 
-class TransferOutcome(enum.Enum):
-    OK = "ok"
-    ABORTED = "aborted"  # the caller gave it up (its request ended first): nothing to fall back from
-    FAILED = "failed"  # every path failed, or the sender broke: the caller falls back
-
-
-@dataclass
-class TransferResult:
-    request_id: str
-    outcome: TransferOutcome
-    block_ids: list[int] = field(default_factory=list)
-    path: str = ""  # the path that delivered it
-    retries: int = 0  # resends beyond the first try (PREALLOC, frames, COMMIT, decision)
-    fallbacks: int = 0  # paths given up on
-    bytes: int = 0
-    seconds: float = 0.0  # commit → acknowledged
-    error: str = ""
-    stream_seconds: float = 0.0  # first frame sent → acknowledged
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome is TransferOutcome.OK
-
-
-# --- jobs the engine thread queues for the sender thread ---------------------------------------------
-@dataclass(frozen=True)
-class _Begin:
-    request_id: str
-    addresses: list[tuple[str, str]]
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class _Layer:
-    request_id: str
-    layer: int
-    start: int
-    count: int
-    data: bytes
-    stream: bool
-
-
-@dataclass(frozen=True)
-class _Commit:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Touch:
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-_Job = _Begin | _Layer | _Commit | _Abort | _Touch | _Stop
-
-
 @dataclass
 class _Outgoing:
     request_id: str
     addresses: list[tuple[str, str]]  # (path name, address), in fallback order
     num_tokens: int
     n_blocks: int
-    parts: list[_Layer] = field(default_factory=list)  # part k of the copy stage is parts[k]
+    parts: list[Layer] = field(default_factory=list)  # part k of the copy stage is parts[k]
     path: int = 0  # index into addresses
     session: SourceSession | None = None  # the current path's
     sent: set[int] = field(default_factory=set)  # parts sent in the current session
@@ -169,7 +114,7 @@ class KVSender:
         self.fault_source = faults
         self.faults: TransportFaults | None = None
         self.ctx = zmq.Context.instance()
-        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._jobs: queue.Queue[Job] = queue.Queue()
         self._results: queue.Queue[TransferResult] = queue.Queue()
         self._out: dict[str, _Outgoing] = {}
         # Every session by name, with its path and, once ended, until when it is kept as a tombstone.
@@ -182,25 +127,25 @@ class KVSender:
     # --- engine thread ---------------------------------------------------------------------------
     def begin(self, request_id: str, addresses: list[tuple[str, str]], num_tokens: int) -> None:
         self.pending += 1
-        self._jobs.put(_Begin(request_id, addresses, num_tokens))
+        self._jobs.put(Begin(request_id, addresses, num_tokens))
 
     def layer(self, request_id: str, layer: int, start: int, count: int, data: bytes, stream: bool) -> None:
         """One layer's K/V of `count` tokens from `start`; `stream`: send it now (layer-wise), else
         keep it for the commit (send-after-prefill)."""
-        self._jobs.put(_Layer(request_id, layer, start, count, data, stream))
+        self._jobs.put(Layer(request_id, layer, start, count, data, stream))
 
     def commit(self, request_id: str) -> None:
         """Every token's KV has been given: send what is left, then the commit, and wait for the ack."""
-        self._jobs.put(_Commit(request_id))
+        self._jobs.put(CommitJob(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._jobs.put(_Abort(request_id))
+        self._jobs.put(AbortJob(request_id))
 
     def touch(self, request_ids: list[str]) -> None:
         """These transfers' requests are still alive here (the engine says so once a step): their
         sessions keep the destination's watchdog away while the prompt computes."""
         if request_ids:
-            self._jobs.put(_Touch(tuple(request_ids)))
+            self._jobs.put(Touch(tuple(request_ids)))
 
     def results(self) -> list[TransferResult]:
         out = []
@@ -212,7 +157,7 @@ class KVSender:
                 return out
 
     def close(self) -> None:
-        self._jobs.put(_Stop())
+        self._jobs.put(Stop())
         self._thread.join(timeout=5)
         for path in self._paths.values():
             path.close()
@@ -224,9 +169,9 @@ class KVSender:
                 job = self._jobs.get(timeout=self._wait())
             except queue.Empty:
                 job = None
-            if isinstance(job, _Stop):
+            if isinstance(job, Stop):
                 return
-            if isinstance(job, _Touch):
+            if isinstance(job, Touch):
                 now = time.monotonic()
                 for rid in job.request_ids:
                     if rid in self._out:
@@ -250,17 +195,17 @@ class KVSender:
                 out.errors.append(f"sender error: {exc}")
                 self._end(out, TransferOutcome.FAILED)
 
-    def _job(self, job: _Begin | _Layer | _Commit | _Abort) -> None:
+    def _job(self, job: Begin | Layer | CommitJob | AbortJob) -> None:
         if job.request_id in self._out:
             self._out[job.request_id].alive = time.monotonic()
         match job:
-            case _Begin():
+            case Begin():
                 n_blocks = -(-job.num_tokens // self.block_size)
                 self._out[job.request_id] = _Outgoing(job.request_id, job.addresses, job.num_tokens, n_blocks)
                 self.faults = self.fault_source() if self.fault_source is not None else None
                 if self.faults is not None:  # a drill: say so, so nobody mistakes it for a real fault
                     log.warning("KV transfer of %s: fault switch armed: %s", job.request_id, self.faults)
-            case _Layer():
+            case Layer():
                 out = self._out.get(job.request_id)
                 if out is None:
                     return
@@ -272,7 +217,7 @@ class KVSender:
                         out.session.state is SourceState.COPYING and not out.problem
                     ):  # (a refused send: at the commit)
                         self._send_parts(out, [len(out.parts) - 1])
-            case _Commit():
+            case CommitJob():
                 out = self._out.get(job.request_id)
                 if out is None:
                     return
@@ -281,7 +226,7 @@ class KVSender:
                     self._open(out)
                 elif out.session.state is SourceState.COPYING:
                     self._finish(out)
-            case _Abort():
+            case AbortJob():
                 out = self._out.get(job.request_id)
                 if out is None:
                     return

@@ -49,34 +49,6 @@ from steadfast.kv.moves.messages import (
 )
 from steadfast.kv.moves.retry import RetryPolicy
 
-__all__ = [
-    "Abort",
-    "AbortReason",
-    "Action",
-    "Adopt",
-    "Commit",
-    "CommitAck",
-    "Committed",
-    "Copy",
-    "Decide",
-    "DestinationSession",
-    "DestinationState",
-    "LetGo",
-    "Message",
-    "MoveKind",
-    "MoveOutcome",
-    "MoveProtocolError",
-    "PauseRequest",
-    "Prealloc",
-    "Release",
-    "Reserve",
-    "Reserved",
-    "ResumeAtSource",
-    "Send",
-    "SourceSession",
-    "SourceState",
-]
-
 
 class SourceSession:
     """The side that owns the request. It drives the session. It retries PREALLOC and COMMIT with
