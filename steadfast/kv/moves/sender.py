@@ -213,9 +213,8 @@ class KVSender:
                 if job.stream:
                     if out.session is None:
                         self._open(out)
-                    elif (
-                        out.session.state is SourceState.COPYING and not out.problem
-                    ):  # (a refused send: at the commit)
+                    # Reserved and the path taking data (a part it refused goes at the commit).
+                    elif out.session.state is SourceState.COPYING and not out.problem:
                         self._send_parts(out, [len(out.parts) - 1])
             case CommitJob():
                 out = self._out.get(job.request_id)
