@@ -54,8 +54,9 @@ def prompts(n: int) -> list[str]:
     return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})." for i in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {
+def stream_body(model: str, prompt: str, max_tokens: int) -> dict:
+    """A streamed greedy chat completion of exactly `max_tokens` tokens (EOS ignored), usage at the end."""
+    return {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -64,6 +65,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = stream_body(model, prompt, max_tokens)
     start = time.perf_counter()
     first = None
     tokens = 0

@@ -33,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serving import prompts  # noqa: E402
+from benchmarks.bench_serving import prompts, stream_body  # noqa: E402
 from benchmarks.common import run_info  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
@@ -102,14 +102,7 @@ def instrument(code: Path) -> None:
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = stream_body(model, prompt, max_tokens)
     t0, first, rid = time.time(), None, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
