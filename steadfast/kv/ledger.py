@@ -100,10 +100,14 @@ class RequestCheckpoint:
     block_table: list[int] = field(default_factory=list)
     owner: str | None = None
     epoch: int | None = None
+    # Wall-clock seconds (time.time()) of the row's last write, set by the ledger and ignored when
+    # writing: wall time, not `clock()`, because routers on other hosts compare it with their own.
+    updated_at: float = 0.0
 
 
 class Ledger(abc.ABC):
-    """What the pool daemon and the workers may ask of the ledger. Times are seconds on `clock()`."""
+    """What the pool daemon and the workers may ask of the ledger. Times are seconds on `clock()`,
+    except a request row's `updated_at` (wall clock)."""
 
     # --- leases -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -209,14 +213,23 @@ class Ledger(abc.ABC):
     # --- requests -----------------------------------------------------------------------------
     @abc.abstractmethod
     def checkpoint(self, worker: str, epoch: int, records: Sequence[RequestCheckpoint]) -> None:
-        """Record request progress, all in one transaction. A request that a worker with a newer epoch
-        has checkpointed (it was taken over) is skipped: only its newest owner writes it."""
+        """Record request progress, all in one transaction, each row then the writer's. A request whose
+        row another worker owns is skipped (this writer's view is stale: it handed the request over),
+        unless that row is finished or its owner no longer holds the lease it wrote it under (fenced,
+        expired, released, registered again): then the request was taken over and this writer runs it.
+        Epochs of different workers are never compared: which was granted first says nothing of who
+        runs the request now."""
 
     @abc.abstractmethod
     def request(self, request_id: str) -> RequestCheckpoint | None: ...
 
     @abc.abstractmethod
     def requests(self, owner: str | None = None) -> list[RequestCheckpoint]: ...
+
+    @abc.abstractmethod
+    def prune_requests(self, older_than_s: float) -> int:
+        """Delete the rows nobody will write again (finished, or their owner's lease gone) last written
+        more than `older_than_s` wall-clock seconds ago; returns how many."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

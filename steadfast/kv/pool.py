@@ -4,7 +4,9 @@ Workers map the arena and ask the pool for blocks in batches (so their hot path 
 The pool is also the lease arbiter: a lease past its expiry is fenced (epoch bumped) at once, but the
 worker's blocks are reclaimed only once its process is confirmed gone on this node (invariant 2).
 The daemon keeps no state of its own beyond the arena and the ledger, so when it restarts it simply
-re-attaches both and carries on; running workers never notice more than a retried request.
+re-attaches both and carries on; running workers never notice more than a retried request. It also
+deletes request rows nobody will write again once the idempotency window has passed them. No message
+crashes it: a malformed one is answered with an error (the sender, a DEALER, waits for a reply).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from steadfast import protocol
@@ -25,9 +29,11 @@ from steadfast.ipc import die_with_parent, setup_logging
 from steadfast.kv.arena import ArenaSpec, KVArena
 from steadfast.kv.ledger import FencedError, LeaseState, LedgerError, LedgerUnavailableError
 from steadfast.kv.ledger_url import open_ledger
+from steadfast.kv.pool_client import Throttled
 from steadfast.protocol import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolReply, ToPool
 
 log = logging.getLogger("steadfast.kvpool")
+_junk = Throttled(log)
 
 
 def process_gone(pid: int) -> bool:
@@ -65,6 +71,9 @@ class KVPool:
             self.arena = KVArena.create(arena_path, spec)
         self.ledger.format(self.arena.spec.num_blocks)
         self._reclaimed: set[tuple[str, int]] = set()  # (worker, fenced epoch) already reclaimed
+        self.window_s = cfg.fault_recovery.request.idempotency_window
+        # A row outlives the window by at most half of it (30 s at most); a scan per tick would cost for nothing.
+        self.prune_every_s = min(max(self.window_s / 2, 1.0), 30.0)
 
     def handle(self, msg: ToPool) -> PoolReply:
         try:
@@ -143,8 +152,50 @@ class KVPool:
                         "reclaimed %s: %d sealed kept, %d quarantined", lease.worker, len(sealed), len(quarantined)
                     )
 
+    def prune(self) -> None:
+        """Delete request rows past the idempotency window: no router resumes from them any more."""
+        try:
+            pruned = self.ledger.prune_requests(self.window_s)
+        except LedgerUnavailableError as exc:  # upkeep, not a request: the next tick tries again
+            log.warning("pruning request rows failed: %s", exc)
+            return
+        if pruned:
+            log.info("pruned %d request rows older than %.0fs", pruned, self.window_s)
+
     def close(self) -> None:
         self.ledger.close()
+
+
+def answer(pool: KVPool, frames: list[bytes]) -> list[bytes]:
+    """The frames answering one message off the ROUTER socket (the sender's identity, then one frame).
+    A malformed message, or values no call takes (a pid or block id past SQLite's 64-bit integers), is
+    answered with an error, never raised. Only the store failing (LedgerUnavailableError) is."""
+    ident, *body = frames
+    try:
+        if len(body) != 1:
+            raise ValueError(f"{len(body)} frames after the identity; a request is one")
+        reply = pool.handle(protocol.decode_to_pool(body[0]))
+    except (msgspec.DecodeError, ValueError, OverflowError, TypeError) as exc:
+        _junk.warning("malformed request to the kvpool answered with an error: %s", exc)
+        reply = PoolReply(False, error=f"malformed request: {exc}")
+    return [ident, protocol.encode(reply)]
+
+
+def serve(pool: KVPool, sock: zmq.Socket, stopping: Callable[[], bool]) -> None:
+    """Answer workers on `sock` (ROUTER), arbitrate leases every renew interval and prune request rows,
+    until `stopping()`."""
+    tick = pool.cfg.fault_recovery.lease.renew_interval_ms / 1000
+    next_tick = next_prune = time.monotonic()
+    while not stopping():
+        if sock.poll(max(1, int((next_tick - time.monotonic()) * 1000))):
+            sock.send_multipart(answer(pool, sock.recv_multipart()))
+        now = time.monotonic()
+        if now >= next_tick:
+            pool.arbitrate()
+            next_tick = time.monotonic() + tick
+        if now >= next_prune:
+            pool.prune()
+            next_prune = now + pool.prune_every_s
 
 
 def main() -> None:
@@ -168,16 +219,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     if args.ready_file:
         Path(args.ready_file).write_text(str(os.getpid()))
-    tick = cfg.fault_recovery.lease.renew_interval_ms / 1000
-    next_tick = time.monotonic()
-    while not stop["now"]:
-        if sock.poll(max(1, int((next_tick - time.monotonic()) * 1000))):
-            ident, body = sock.recv_multipart()
-            reply = pool.handle(protocol.decode_to_pool(body))
-            sock.send_multipart([ident, protocol.encode(reply)])
-        if time.monotonic() >= next_tick:
-            pool.arbitrate()
-            next_tick = time.monotonic() + tick
+    serve(pool, sock, lambda: stop["now"])
     pool.close()
     ctx.destroy(linger=0)
 

@@ -1,6 +1,7 @@
 """A worker's side of the pool: registration, block grants in batches, and its lease.
 
-`PoolClient` talks to the kvpool daemon (retrying across a daemon restart). `LeaseKeeper` renews the
+`PoolClient` talks to the kvpool daemon (retrying across a daemon restart; a malformed reply is logged
+and dropped, never raised). `LeaseKeeper` renews the
 worker's lease from a thread and knows, locally, until when the lease is surely valid: a worker must
 not write KV bytes or ledger records past that instant, and once a renewal is refused it never writes
 again (it cannot renew its way back after being fenced).
@@ -12,6 +13,7 @@ import logging
 import threading
 import time
 
+import msgspec
 import zmq
 
 from steadfast import protocol
@@ -21,6 +23,27 @@ from steadfast.kv.ledger_url import open_ledger
 from steadfast.protocol import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolRelease, PoolReply, ToPool
 
 log = logging.getLogger(__name__)
+
+
+class Throttled:
+    """Warnings at most one per `every_s` (the next one says how many were dropped): a peer that sends
+    junk in a loop must not flood the log, nor the disk under it."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._next = 0.0
+        self._dropped = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._dropped += 1
+            return
+        if self._dropped:
+            msg = f"{msg} ({self._dropped} more like it since the last)"
+        self.logger.warning(msg, *args)
+        self._next, self._dropped = now + self.every_s, 0
 
 
 class LeaseLostError(RuntimeError):
@@ -40,6 +63,7 @@ class PoolClient:
         self.ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.epoch = 0
+        self._junk = Throttled(log)
 
     def _connect(self) -> zmq.Socket:
         if self.sock is not None:
@@ -54,8 +78,8 @@ class PoolClient:
         attempts = attempts or self.attempts
         for attempt in range(attempts):
             sock.send(protocol.encode(msg))
-            if sock.poll(self.timeout_ms):
-                reply = protocol.decode_pool_reply(sock.recv())
+            reply = self._reply(sock)
+            if reply is not None:
                 if reply.fenced:
                     raise LeaseLostError(reply.error)
                 if not reply.ok:
@@ -65,6 +89,20 @@ class PoolClient:
             log.warning("kvpool did not answer (attempt %d); retrying", attempt + 1)
             sock = self._connect()
         raise PoolUnavailableError(f"kvpool at {self.address} did not answer {attempts} times")
+
+    def _reply(self, sock: zmq.Socket) -> PoolReply | None:
+        """The first well-formed reply within the timeout, or None. Anything else is dropped: a reply is
+        one frame (more would be read as the next reply) that decodes as a PoolReply."""
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            frames = sock.recv_multipart()
+            try:
+                if len(frames) != 1:
+                    raise ValueError(f"{len(frames)} frames")
+                return protocol.decode_pool_reply(frames[0])
+            except (ValueError, msgspec.DecodeError) as exc:
+                self._junk.warning("malformed reply from the kvpool at %s dropped: %s", self.address, exc)
+        return None
 
     def register(self, pid: int) -> PoolReply:
         reply = self._call(PoolRegister(self.worker, pid))

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from steadfast.failpoints import stall
 from steadfast.kv.ledger import (
     BlockRecord,
     BlockState,
@@ -30,7 +31,7 @@ from steadfast.kv.ledger import (
     Seal,
 )
 from steadfast.kv.moves.messages import MoveOutcome
-from steadfast.kv.sqlite_rows import ids_blob, ids_of, stall
+from steadfast.kv.sqlite_rows import ids_blob, ids_of
 
 MOVE_RECORD_S = 3600.0  # a move's decision is kept this long (seconds of the ledger's clock), then pruned
 
@@ -55,9 +56,16 @@ INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', 0);
 
 
 class SqliteLedger(Ledger):
-    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        path: str,
+        clock: Callable[[], float] = time.monotonic,
+        timeout_s: float = 10.0,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.path = path
         self.clock = clock
+        self.wall_clock = wall_clock  # request rows' `updated` (see RequestCheckpoint.updated_at)
         self.timeout_s = timeout_s
         # Re-entrant: a transaction's helpers, and a subclass wrapping `_tx`, may take it again.
         self._lock = threading.RLock()
@@ -76,6 +84,7 @@ class SqliteLedger(Ledger):
             if "content" not in {row[1] for row in c.execute("PRAGMA table_info(blocks)")}:
                 c.execute("ALTER TABLE blocks ADD COLUMN content BLOB")  # a ledger file from before token names
             c.execute("CREATE INDEX IF NOT EXISTS blocks_by_content ON blocks (content)")
+            c.execute("CREATE INDEX IF NOT EXISTS requests_by_time ON requests (updated)")
 
     def _unavailable(self, exc: sqlite3.Error) -> LedgerUnavailableError:
         return LedgerUnavailableError(f"SQLite ledger {self.path}: {exc}")
@@ -127,6 +136,16 @@ class SqliteLedger(Ledger):
     def _next_epoch(self, c: sqlite3.Cursor) -> int:
         c.execute("UPDATE meta SET value = value + 1 WHERE key = 'epoch'")
         return c.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()[0]
+
+    def _live(self, c: sqlite3.Cursor, worker: str | None, epoch: int | None) -> bool:
+        """Whether `worker` still holds, live, the lease of `epoch` (that it wrote a row under)."""
+        row = c.execute("SELECT epoch, expires, state FROM leases WHERE worker = ?", (worker,)).fetchone()
+        return row is not None and row[0] == epoch and row[2] == LeaseState.ACTIVE and self.clock() <= row[1]
+
+    def _runs_elsewhere(self, c: sqlite3.Cursor, worker: str, owner: str | None, epoch: int | None, phase: str) -> bool:
+        """Whether a worker other than `worker` runs the request of this row: it wrote the row under
+        the lease it still holds, live, and has not finished it."""
+        return owner not in (None, worker) and phase != "finished" and self._live(c, owner, epoch)
 
     def _check_lease(self, c: sqlite3.Cursor, worker: str, epoch: int) -> None:
         row = c.execute("SELECT epoch, expires, state FROM leases WHERE worker = ?", (worker,)).fetchone()
@@ -275,8 +294,9 @@ class SqliteLedger(Ledger):
             )
             if request_id:
                 c.execute(
-                    "UPDATE requests SET owner = ?, epoch = ?, phase = 'transfer' WHERE id = ? AND owner = ?",
-                    (to_worker, to_epoch, request_id, worker),
+                    "UPDATE requests SET owner = ?, epoch = ?, phase = 'transfer', updated = ? "
+                    "WHERE id = ? AND owner = ?",
+                    (to_worker, to_epoch, self.wall_clock(), request_id, worker),
                 )
         return to_epoch
 
@@ -385,14 +405,13 @@ class SqliteLedger(Ledger):
 
     # --- requests -----------------------------------------------------------------------------
     def checkpoint(self, worker: str, epoch: int, records: Sequence[RequestCheckpoint]) -> None:
-        now = self.clock()
+        now = self.wall_clock()
         with self._tx() as c:
             self._check_lease(c, worker, epoch)
             for r in records:
-                row = c.execute("SELECT owner, epoch FROM requests WHERE id = ?", (r.request_id,)).fetchone()
-                if row is not None and row[0] not in (None, worker) and (row[1] or 0) > epoch:
-                    # Moved to a newer worker (epochs only grow): this writer's view of it is stale.
-                    continue
+                row = c.execute("SELECT owner, epoch, phase FROM requests WHERE id = ?", (r.request_id,)).fetchone()
+                if row is not None and self._runs_elsewhere(c, worker, *row):
+                    continue  # it was handed over: this writer's view is stale
                 c.execute(
                     "INSERT OR REPLACE INTO requests (id, prompt, params, generated, delivered, owner, epoch, phase, "
                     "blocks, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -413,9 +432,9 @@ class SqliteLedger(Ledger):
 
     @staticmethod
     def _request_row(r: tuple) -> RequestCheckpoint:
-        return RequestCheckpoint(r[0], ids_of(r[1]), r[2], ids_of(r[3]), r[4], r[7], ids_of(r[8]), r[5], r[6])
+        return RequestCheckpoint(r[0], ids_of(r[1]), r[2], ids_of(r[3]), r[4], r[7], ids_of(r[8]), r[5], r[6], r[9])
 
-    _REQUEST_COLUMNS = "id, prompt, params, generated, delivered, owner, epoch, phase, blocks"
+    _REQUEST_COLUMNS = "id, prompt, params, generated, delivered, owner, epoch, phase, blocks, updated"
 
     def request(self, request_id: str) -> RequestCheckpoint | None:
         rows = self._rows(f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE id = ?", (request_id,))
@@ -427,3 +446,13 @@ class SqliteLedger(Ledger):
         else:
             rows = self._rows(f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE owner = ? ORDER BY id", (owner,))
         return [self._request_row(r) for r in rows]
+
+    def prune_requests(self, older_than_s: float) -> int:
+        cutoff = self.wall_clock() - older_than_s
+        with self._tx() as c:
+            old = c.execute("SELECT id, owner, epoch, phase FROM requests WHERE updated < ?", (cutoff,)).fetchall()
+            # A row of a live owner that is not finished is a request still running there (or an end
+            # its worker has not written yet): kept, whatever its age.
+            gone = [(r[0],) for r in old if r[3] == "finished" or not self._live(c, r[1], r[2])]
+            c.executemany("DELETE FROM requests WHERE id = ?", gone)
+        return len(gone)

@@ -3,8 +3,10 @@
 Per step, before the model writes any KV: check the lease is still surely ours and, in one ledger
 transaction, unseal the cached blocks this step will refill. After the step: seal the blocks that
 filled (hash of their bytes, chained name of their tokens, so a successor finds them by the tokens
-alone). Every `snapshot_interval_steps` steps, checkpoint every request in one transaction. Any write
-refused for a stale epoch raises `LeaseLostError`: the worker must exit.
+alone). Every `snapshot_interval_steps` steps, checkpoint every request in one transaction (and when
+the batch drains, or a request is aborted, so that how requests ended is on record). Any write refused
+for a stale epoch raises `LeaseLostError`: the worker must exit. A write the store failed (locked, busy,
+an I/O error) is retried for a few seconds, the engine paused meanwhile, before its error is raised.
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ import msgspec
 from steadfast.config import Config
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.kv.ledger import BlockRecord, FencedError, RequestCheckpoint
+from steadfast.kv.ledger import BlockRecord, FencedError, LedgerUnavailableError, RequestCheckpoint
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.moves.messages import MoveOutcome
 from steadfast.kv.pool_client import LeaseKeeper, LeaseLostError, PoolClient
+from steadfast.protocol import FinishReason
 from steadfast.worker.request import Request, Status
 
 log = logging.getLogger(__name__)
+
+# A store that fails a write (its transaction did not commit) is retried, the pause doubling from
+# RETRY_PAUSE_S up to 1 s, for up to RETRY_S in all: a passing lock or I/O fault pauses the engine
+# instead of failing every request in flight.
+RETRY_S = 5.0
+RETRY_PAUSE_S = 0.05
 
 
 class LedgerSync:
@@ -42,17 +51,32 @@ class LedgerSync:
         self._sealed_pending: dict[int, bytes] = {}  # filled, to seal: block -> its token name
         self._ledger_sealed: set[int] = set()
         self._finished: list[Request] = []
+        self._store_failed = False  # the last write gave up on the store (until one succeeds)
         self.steps = 0
         self.checkpoints = 0
         self.checkpoint_seconds = 0.0  # time inside checkpoint transactions
         self.seal_seconds = 0.0  # time hashing and sealing blocks
 
-    def _write(self, fn, *args):  # noqa: ANN001, ANN202 - a ledger method, its arguments and its answer
-        try:
-            return fn(self.worker, self.epoch, *args)
-        except FencedError as exc:
-            self.lease.lost = str(exc)
-            raise LeaseLostError(str(exc)) from exc
+    def _write(self, fn, *args, retry: bool = True):  # noqa: ANN001, ANN202 - a ledger method, its arguments, its answer
+        deadline = time.monotonic() + (RETRY_S if retry else 0.0)
+        pause = RETRY_PAUSE_S
+        while True:
+            try:
+                answer = fn(self.worker, self.epoch, *args)
+                self._store_failed = False
+                return answer
+            except FencedError as exc:  # permanent: never retried
+                self.lease.lost = str(exc)
+                raise LeaseLostError(str(exc)) from exc
+            except LedgerUnavailableError as exc:
+                if self.lease.lost:
+                    raise LeaseLostError(self.lease.lost) from exc
+                if time.monotonic() + pause > deadline:
+                    self._store_failed = True
+                    raise
+                log.warning("ledger %s failed (%s); retrying in %.2fs", getattr(fn, "__name__", fn), exc, pause)
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
 
     def before_execute(self, blocks: BlockManager) -> None:
         """Called after scheduling, before the forward pass writes KV: blocks evicted for reuse by this
@@ -149,6 +173,15 @@ class LedgerSync:
         self._ledger_sealed.update(sealed)
 
     def finished(self, request: Request) -> None:
+        if request.finish_reason is FinishReason.ABORT and not self._store_failed:
+            # Often stopped for a resume on another worker, which may take the row once it says finished;
+            # written now, since an idle worker takes no next step to checkpoint it. One try: a failed
+            # step aborts every request, and must not wait on a failing store once per request.
+            try:
+                self._write(self.ledger.checkpoint, [self._record(request, None)], retry=False)
+                return
+            except LedgerUnavailableError as exc:
+                log.warning("request %s: abort not recorded yet (%s)", request.request_id, exc)
         self._finished.append(request)
 
     def after_step(self, requests: Collection[Request], blocks: BlockManager, prompt_done: bool = False) -> None:
@@ -159,7 +192,8 @@ class LedgerSync:
         # Sealed now, not at the next step: a block can be adopted as soon as its last token is out.
         self._sync_blocks(blocks)
         self.steps += 1
-        if prompt_done or self.steps % self.interval == 0:
+        # Drained: no next step would write how the last requests ended.
+        if prompt_done or self.steps % self.interval == 0 or (self._finished and not requests):
             self.checkpoint(requests, blocks)
 
     def checkpoint(self, requests: Collection[Request], blocks: BlockManager) -> None:
@@ -172,7 +206,7 @@ class LedgerSync:
         self._finished.clear()
 
     @staticmethod
-    def _record(r: Request, blocks: BlockManager) -> RequestCheckpoint:
+    def _record(r: Request, blocks: BlockManager | None) -> RequestCheckpoint:
         if r.status is Status.FINISHED:
             phase = "finished"
         elif r.status is Status.WAITING:
@@ -186,7 +220,7 @@ class LedgerSync:
             list(r.output_ids),
             delivered=len(r.output_ids),
             phase=phase,
-            block_table=list(blocks.block_table(r.request_id)),
+            block_table=list(blocks.block_table(r.request_id)) if blocks is not None else [],
         )
 
     def close(self, pool: PoolClient | None = None, held: list[int] | None = None) -> None:

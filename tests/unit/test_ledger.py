@@ -209,11 +209,75 @@ def test_checkpoints_round_trip_and_are_owned(ledger):
     assert (got.prompt_ids, got.generated_ids, got.delivered, got.block_table) == ([1, 2, 3], [9, 8], 2, [4, 5])
     assert (got.owner, got.epoch, got.phase) == ("w0", e0, "decode")
     moved = RequestCheckpoint("r1", [1, 2, 3], '{"seed": 7}', [9, 8, 7], delivered=3, phase="decode")
-    ledger.checkpoint("w1", e1, [moved])  # taken over by a worker with a newer epoch: it owns it now
+    ledger.checkpoint("w1", e1, [moved])  # not w1's: w0 runs it, live
+    assert ledger.request("r1").owner == "w0"
+    ledger.hand_over("w0", e0, [], "w1", request_id="r1")  # now it is w1's
+    ledger.checkpoint("w1", e1, [moved])
     ledger.checkpoint("w0", e0, [rec])  # the old owner's stale view is skipped, not written over it
     got = ledger.request("r1")
     assert (got.owner, got.epoch, got.generated_ids) == ("w1", e1, [9, 8, 7])
     assert [r.request_id for r in ledger.requests("w1")] == ["r1"] and ledger.requests("w0") == []
+
+
+def test_a_standby_with_an_older_epoch_takes_over_the_checkpoints_of_a_dead_owner(ledger, clock):
+    """The standby registered before the worker it replaces, so its epoch is lower than the dead owner's:
+    its checkpoints must still land (the router resumes from them after a restart)."""
+    standby = ledger.acquire_lease("standby", 1, 5).epoch
+    owner = ledger.acquire_lease("w0", 2, 5).epoch
+    assert standby < owner
+    ledger.checkpoint("w0", owner, [RequestCheckpoint("r", [1, 2], "{}", [3], 1, "decode")])
+    ledger.fence("w0")
+    ledger.reclaim("w0")
+    ledger.checkpoint("standby", standby, [RequestCheckpoint("r", [1, 2], "{}", [3, 4, 5], 3, "decode")])
+    got = ledger.request("r")
+    assert (got.owner, got.epoch, got.generated_ids) == ("standby", standby, [3, 4, 5])
+    with pytest.raises(FencedError):  # the dead owner's own stale epoch stays refused
+        ledger.checkpoint("w0", owner, [RequestCheckpoint("r", [1, 2], "{}", [3], 1, "finished")])
+    # Its name registered again (a new incarnation, a new epoch): the standby's row is not its to write.
+    clock.now += 1
+    again = ledger.acquire_lease("w0", 3, 5).epoch
+    ledger.checkpoint("w0", again, [RequestCheckpoint("r", [1, 2], "{}", [3], 1, "decode")])
+    assert ledger.request("r").owner == "standby"
+
+
+def test_a_row_its_live_owner_finished_or_wrote_under_an_expired_lease_is_taken_by_the_new_runner(ledger, clock):
+    """A reconnecting client's request resumed on another live worker: the old one aborted it (its row
+    says finished), the new one runs it, whichever epoch is older; and a row of an expired lease."""
+    new = ledger.acquire_lease("w1", 1, 5).epoch
+    old = ledger.acquire_lease("w0", 2, 5).epoch
+    ledger.checkpoint("w0", old, [RequestCheckpoint("r", [1], "{}", [2, 3], 2, "finished")])
+    ledger.checkpoint("w1", new, [RequestCheckpoint("r", [1], "{}", [2, 3, 4], 3, "decode")])
+    assert (ledger.request("r").owner, ledger.request("r").generated_ids) == ("w1", [2, 3, 4])
+    ledger.checkpoint("w0", old, [RequestCheckpoint("r2", [1], "{}", [2], 1, "decode")])
+    clock.now += 4
+    ledger.renew_lease("w1", new, 5)
+    clock.now += 2  # w0's lease lapsed; nobody fenced it yet
+    ledger.checkpoint("w1", new, [RequestCheckpoint("r2", [1], "{}", [2, 5], 2, "decode")])
+    assert ledger.request("r2").owner == "w1"
+
+
+def test_finished_rows_and_rows_of_gone_owners_are_pruned_after_the_window(tmp_path, clock):
+    wall = Clock()
+    led = SqliteLedger(str(tmp_path / "prune.db"), clock=clock, wall_clock=wall)
+    try:
+        led.format(2)
+        e0 = led.acquire_lease("w0", 1, 5).epoch
+        e1 = led.acquire_lease("w1", 2, 5).epoch
+        led.checkpoint("w0", e0, [RequestCheckpoint("done", [1], "{}", [2], 1, "finished")])
+        led.checkpoint("w0", e0, [RequestCheckpoint("running", [1], "{}", [2], 1, "decode")])
+        led.checkpoint("w1", e1, [RequestCheckpoint("orphan", [1], "{}", [2], 1, "decode")])
+        assert led.request("done").updated_at == wall.now
+        led.fence("w1")  # died; nobody took its request over
+        wall.now += 30
+        led.checkpoint("w0", e0, [RequestCheckpoint("fresh", [1], "{}", [2], 1, "finished")])
+        assert led.prune_requests(60) == 0
+        wall.now += 31
+        assert led.prune_requests(60) == 2
+        assert [r.request_id for r in led.requests()] == ["fresh", "running"]  # a live owner's, and young
+        wall.now += 60
+        assert led.prune_requests(60) == 1 and led.request("fresh") is None
+    finally:
+        led.close()
 
 
 def test_reopened_ledger_keeps_everything(ledger_factory, clock):

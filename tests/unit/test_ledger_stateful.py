@@ -1,8 +1,9 @@
 """Property-based test of the ledger's block state machine, leases and epochs (hypothesis stateful).
 
 Random sequences of acquire / renew / grant / write / seal / free / clock advance / lease expiry +
-fencing / reclaim, with injected crashes inside transactions, must never break an invariant of
-ARCHITECTURE.md §2: the ledger's own integrity check and the history checker stay clean throughout.
+fencing / reclaim / request checkpoints and handoffs, with injected crashes inside transactions, must
+never break an invariant of ARCHITECTURE.md §2: the ledger's own integrity check and the history checker
+stay clean throughout, and each request row is the one a model of its ownership predicts.
 Runs once per ledger backend (the `ledger_backend` fixture).
 """
 
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from steadfast.kv.history import RecordingLedger, check_history
-from steadfast.kv.ledger import BlockState, LeaseState, Ledger, LedgerError
+from steadfast.kv.ledger import BlockState, LeaseState, Ledger, LedgerError, RequestCheckpoint
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.sqlite_ledger import SqliteLedger
 from tests.unit.conftest import ledger_url_in
@@ -28,6 +29,7 @@ from tests.unit.conftest import ledger_url_in
 pytestmark = pytest.mark.unit
 
 WORKERS = ("w0", "w1", "w2")
+REQUESTS = ("r0", "r1")
 BLOCKS = 12
 TTL = 3.0
 STALE = st.sampled_from([False, False, False, True])  # mostly the current epoch, sometimes a stale one
@@ -65,6 +67,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.inner.format(BLOCKS)
         self.ledger = RecordingLedger(self.inner)
         self.epochs: dict[str, list[int]] = {w: [] for w in WORKERS}  # every epoch each worker ever held
+        self.rows: dict[str, tuple[str, int, str]] = {}  # the model: request -> (owner, epoch, phase)
+        self.accepted = False  # whether the last `_try` call was
 
     def _crash_now(self) -> bool:
         crash, self.crash_next = self.crash_next, False
@@ -76,13 +80,24 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _try(self, fn, *args):
         name = fn.__name__
+        self.accepted = False
         try:
             result = fn(*args)
         except (LedgerError, InjectedCrash) as exc:
             event(f"{name}: {type(exc).__name__}")
             return None
         event(f"{name}: accepted")
+        self.accepted = True
         return result
+
+    def _runs_elsewhere(self, request: str, worker: str) -> bool:
+        """The model's rule: another worker runs `request` while it holds, live, the lease it wrote its row under."""
+        if request not in self.rows:
+            return False
+        owner, epoch, phase = self.rows[request]
+        lease = self.inner.lease(owner)
+        live = lease is not None and lease.epoch == epoch and lease.state == LeaseState.ACTIVE
+        return owner != worker and phase != "finished" and live and self.now <= lease.expires
 
     def _epoch(self, worker: str, stale: bool) -> int:
         held = self.epochs[worker]
@@ -146,10 +161,27 @@ class LedgerMachine(RuleBasedStateMachine):
         digest = b"forged" if forged else b"h%d" % block
         self._try(self.ledger.adopt, worker, self._epoch(worker, stale), [(block, digest)])
 
-    @rule(worker=st.sampled_from(WORKERS), stale=STALE, to=st.sampled_from(WORKERS), take=st.integers(0, 3))
-    def hand_over(self, worker: str, stale: bool, to: str, take: int) -> None:
+    @rule(
+        worker=st.sampled_from(WORKERS),
+        stale=STALE,
+        to=st.sampled_from(WORKERS),
+        take=st.integers(0, 3),
+        request=st.sampled_from(REQUESTS),
+    )
+    def hand_over(self, worker: str, stale: bool, to: str, take: int, request: str) -> None:
         owned = self._owned(worker, (BlockState.OWNED, BlockState.SEALED))
-        self._try(self.ledger.hand_over, worker, self._epoch(worker, stale), owned[: take + 1] or [take], to)
+        blocks = owned[: take + 1] or [take]
+        to_epoch = self._try(self.ledger.hand_over, worker, self._epoch(worker, stale), blocks, to, (), request)
+        if self.accepted and self.rows.get(request, ("",))[0] == worker:
+            self.rows[request] = (to, to_epoch, "transfer")
+
+    @rule(worker=st.sampled_from(WORKERS), stale=STALE, request=st.sampled_from(REQUESTS), done=st.booleans())
+    def checkpoint(self, worker: str, stale: bool, request: str, done: bool) -> None:
+        epoch, phase = self._epoch(worker, stale), "finished" if done else "decode"
+        runs_elsewhere = self._runs_elsewhere(request, worker)
+        self._try(self.ledger.checkpoint, worker, epoch, [RequestCheckpoint(request, [1], "{}", [2], 1, phase)])
+        if self.accepted and not runs_elsewhere:
+            self.rows[request] = (worker, epoch, phase)
 
     @precondition(lambda self: any(lease.state != LeaseState.ACTIVE for lease in self.inner.leases()))
     @rule(worker=st.sampled_from(WORKERS))
@@ -163,6 +195,10 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def history_is_clean(self) -> None:
         assert check_history(self.ledger.history) == []
+
+    @invariant()
+    def request_rows_are_the_models(self) -> None:
+        assert {r.request_id: (r.owner, r.epoch, r.phase) for r in self.inner.requests()} == self.rows
 
     @invariant()
     def no_block_has_two_owners(self) -> None:

@@ -1,0 +1,130 @@
+"""The worker's ledger writes (worker/ledger_sync.py) against a real SQLite ledger: a store that fails a
+write for a moment pauses the engine and retries, a fenced write never is retried, and how a request
+ended reaches the ledger even when no next step follows."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from steadfast.config import Config
+from steadfast.kv import sqlite_ledger
+from steadfast.kv.ledger import LedgerUnavailableError
+from steadfast.kv.ledger_url import open_ledger, sqlite_url
+from steadfast.kv.pool_client import LeaseLostError
+from steadfast.protocol import FinishReason, SamplingParams
+from steadfast.worker import ledger_sync
+from steadfast.worker.ledger_sync import LedgerSync
+from steadfast.worker.request import Request, Status
+
+pytestmark = pytest.mark.unit
+
+NO_BLOCKS = SimpleNamespace(block_table=lambda request_id: [], events=[])
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A ledger with a live lease for w0, and w0's LedgerSync on it."""
+    url = sqlite_url(tmp_path / "ledger.db")
+    ledger = open_ledger(url)
+    ledger.format(4)
+    epoch = ledger.acquire_lease("w0", 1, ttl_s=60).epoch
+    sync = LedgerSync(Config(), SimpleNamespace(worker="w0", epoch=epoch), url, arena=None)
+    yield ledger, sync
+    sync.lease.stop()
+    sync.ledger.close()
+    ledger.close()
+
+
+def fail_commits(monkeypatch, times: int, error: str = "database is locked") -> list[int]:
+    """Make the next `times` checkpoint transactions fail inside SQLite's transaction, as a lock or a
+    disk fault would; returns the list of hits (one entry per checkpoint transaction reached)."""
+    hits: list[int] = []
+
+    def stall(name: str) -> None:
+        hits.append(1)
+        if len(hits) <= times:
+            raise sqlite3.OperationalError(error)
+
+    monkeypatch.setattr(sqlite_ledger, "stall", stall)
+    return hits
+
+
+def running(request_id: str, outputs: list[int]) -> Request:
+    r = Request(request_id, [1, 2, 3], SamplingParams(seed=7))
+    r.output_ids = list(outputs)
+    r.status = Status.RUNNING
+    r.num_computed = 3 + len(outputs)
+    return r
+
+
+def test_a_transient_store_error_is_retried_and_the_checkpoint_lands(node, monkeypatch):
+    ledger, sync = node
+    hits = fail_commits(monkeypatch, 2)
+    t0 = time.monotonic()
+    sync.checkpoint([running("r", [4, 5])], NO_BLOCKS)
+    assert len(hits) == 3  # two failed transactions, then the one that committed
+    assert time.monotonic() - t0 >= ledger_sync.RETRY_PAUSE_S * 3  # it paused between them
+    got = ledger.request("r")
+    assert (got.owner, got.generated_ids, got.phase) == ("w0", [4, 5], "decode")
+
+
+def test_a_store_failing_for_good_gives_up_after_the_bounded_retry(node, monkeypatch):
+    ledger, sync = node
+    monkeypatch.setattr(ledger_sync, "RETRY_S", 0.3)
+    hits = fail_commits(monkeypatch, 1000, "disk I/O error")
+    t0 = time.monotonic()
+    with pytest.raises(LedgerUnavailableError, match="disk I/O error"):
+        sync.checkpoint([running("r", [4])], NO_BLOCKS)
+    assert time.monotonic() - t0 < 1.0 and 2 <= len(hits) <= 4  # never past RETRY_S, a pause at a time
+    assert ledger.request("r") is None
+
+
+def test_a_fenced_write_is_not_retried(node, monkeypatch):
+    ledger, sync = node
+    ledger.fence("w0")
+    hits = fail_commits(monkeypatch, 0)
+    t0 = time.monotonic()
+    with pytest.raises(LeaseLostError):
+        sync.checkpoint([running("r", [4])], NO_BLOCKS)
+    assert time.monotonic() - t0 < ledger_sync.RETRY_PAUSE_S and hits == []
+    assert sync.lease.lost
+
+
+def test_an_abort_and_the_last_finish_before_idling_are_written_at_once(node):
+    ledger, sync = node
+    sync.interval = 1000  # no periodic checkpoint in this test
+    aborted = running("gone", [4])
+    aborted.status, aborted.finish_reason = Status.FINISHED, FinishReason.ABORT
+    sync.finished(aborted)  # from the inbox, outside any step: an idle worker takes no next one
+    assert ledger.request("gone").phase == "finished"
+    done = running("done", [4, 5])
+    sync.after_step([done], NO_BLOCKS)
+    assert ledger.request("done") is None  # still running, not checkpoint time
+    done.status, done.finish_reason = Status.FINISHED, FinishReason.LENGTH
+    sync.finished(done)
+    sync.after_step([], NO_BLOCKS)  # the batch drained: nothing else would write how it ended
+    assert (ledger.request("done").phase, ledger.request("done").generated_ids) == ("finished", [4, 5])
+
+
+def test_aborts_after_the_store_failed_wait_for_the_next_checkpoint_instead_of_retrying(node, monkeypatch):
+    """A failed step aborts every request in flight: those aborts must not each wait on the store."""
+    ledger, sync = node
+    sync.interval = 1000
+    monkeypatch.setattr(ledger_sync, "RETRY_S", 0.2)
+    hits = fail_commits(monkeypatch, 1000)
+    with pytest.raises(LedgerUnavailableError):
+        sync.checkpoint([running("a", [4])], NO_BLOCKS)
+    tried = len(hits)
+    t0 = time.monotonic()
+    for rid in ("a", "b", "c"):
+        aborted = running(rid, [4])
+        aborted.status, aborted.finish_reason = Status.FINISHED, FinishReason.ABORT
+        sync.finished(aborted)
+    assert len(hits) == tried and time.monotonic() - t0 < ledger_sync.RETRY_PAUSE_S
+    monkeypatch.setattr(sqlite_ledger, "stall", lambda name: None)  # the store is back
+    sync.after_step([], NO_BLOCKS)
+    assert [r.phase for r in ledger.requests()] == ["finished"] * 3
