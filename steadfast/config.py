@@ -160,8 +160,30 @@ class ServerConfig:
     # Hot standbys per node: loaded, arena mapped, no traffic until a worker of their node dies and
     # one takes its requests (adopting its KV from that node's arena).
     standby_workers: int = 1
+    # Access (vLLM's --api-key): when set, every /v1 route needs `Authorization: Bearer <api_key>`
+    # (or STEADFAST_API_KEY). /admin/* needs `admin_api_key` when set, else is served to loopback
+    # clients only. /health and /metrics stay open unless `open_metrics` is false (then: the API key).
+    # Keys never travel on a child's command line (visible to every local user): see `public()`.
+    api_key: str = ""
+    admin_api_key: str = ""
+    open_metrics: bool = True
+    # Limits on what one client may send, so nobody can starve the others.
+    max_body_bytes: int = 4 * 2**20  # request body; 413 beyond
+    max_messages: int = 1024  # chat messages per request
+    max_prompt_chars: int = 1_000_000  # characters of prompt (all messages' text) per request
+    # Requests admitted and not finished, over all workers; beyond, new ones get 429 + Retry-After.
+    max_pending_requests: int = 1024
+    # HTTP requests being served at once (streams included); beyond, 429 + Retry-After.
+    max_connections: int = 2048
+    # A request that receives no token for this long is moved to another worker, or failed.
+    request_timeout: float = field(default=60.0, metadata={"duration": True})
 
     def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_messages", "max_prompt_chars", "max_pending_requests", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"server.{name} must be >= 1")
+        if self.request_timeout <= 0:
+            raise ConfigError("server.request_timeout must be positive")
         if not 0 <= self.port < 65536:
             raise ConfigError("server.port must be in 0..65535")
         if self.standby_workers < 0:
@@ -309,10 +331,21 @@ class TransferConfig:
     # A file holding the same text, read again at the start of every transfer (a drill can change it
     # while the server runs); wins over `faults`. Empty: STEADFAST_TRANSFER_FAULTS_FILE, if set.
     faults_file: str = ""
+    # Authenticate the wire with ZeroMQ CURVE (keys made per deployment by the launcher; only its senders
+    # get in). Off only on a network where every host that can reach the receivers is trusted.
+    curve: bool = True
+    # Moves a decode worker's receiver holds at once before they commit (one prefill worker at its
+    # scheduler's max_num_seqs fits); more are refused (ABORT busy) without reserving.
+    max_incoming: int = 128
+    # The share of the node's arena those moves may reserve together; beyond: ABORT no_room, so that made-up
+    # or stalled moves never drain the pool the running requests grow into.
+    max_reserved_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.paths < 1 or self.retries < 0:
             raise ConfigError("transfer.paths must be >= 1 and transfer.retries >= 0")
+        if self.max_incoming < 1 or not 0 < self.max_reserved_fraction <= 1:
+            raise ConfigError("transfer.max_incoming must be >= 1 and transfer.max_reserved_fraction in (0, 1]")
         if self.timeout <= 0 or self.backoff < 0:
             raise ConfigError("transfer.timeout must be positive and transfer.backoff >= 0")
 
@@ -345,6 +378,19 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def public(self) -> Config:
+        """This config without its secrets, for command lines; children read keys from `env`."""
+        return dataclasses.replace(self, server=dataclasses.replace(self.server, api_key="", admin_api_key=""))
+
+    def with_env_keys(self) -> Config:
+        """Keys unset in the config taken from the environment (STEADFAST_API_KEY, STEADFAST_ADMIN_KEY)."""
+        server = dataclasses.replace(
+            self.server,
+            api_key=self.server.api_key or env.api_key(),
+            admin_api_key=self.server.admin_api_key or env.admin_api_key(),
+        )
+        return dataclasses.replace(self, server=server)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
@@ -419,4 +465,4 @@ def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | 
         cfg = config_from_dict(data)
     if overrides:
         cfg = cfg.replace(**{k: v for k, v in overrides.items() if v})
-    return cfg
+    return cfg.with_env_keys()

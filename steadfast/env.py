@@ -77,3 +77,30 @@ def kernel_cache_dir() -> Path:
     if value:
         return Path(value)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steadfast" / "kernels"
+
+
+def api_key() -> str:
+    """STEADFAST_API_KEY: the key every /v1 route asks for when `server.api_key` is unset."""
+    return os.environ.get("STEADFAST_API_KEY", "")
+
+
+def admin_api_key() -> str:
+    """STEADFAST_ADMIN_KEY: the key /admin/* asks for when `server.admin_api_key` is unset."""
+    return os.environ.get("STEADFAST_ADMIN_KEY", "")
+
+
+def resume_key() -> bytes:
+    """STEADFAST_RESUME_KEY (hex): the deployment's key for resume tokens. The launcher makes one per
+    deployment and hands it to its router through the environment, so a restarted router accepts the
+    event ids its predecessor sent. Empty if unset (a router started alone makes its own)."""
+    value = os.environ.get("STEADFAST_RESUME_KEY", "")
+    return bytes.fromhex(value) if value else b""
+
+
+def export_keys(api_key: str, admin_api_key: str, resume: bytes) -> None:
+    """Put the deployment's keys in this process's environment, for the children it starts to inherit."""
+    if api_key:
+        os.environ["STEADFAST_API_KEY"] = api_key
+    if admin_api_key:
+        os.environ["STEADFAST_ADMIN_KEY"] = admin_api_key
+    os.environ["STEADFAST_RESUME_KEY"] = resume.hex()

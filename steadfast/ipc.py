@@ -14,6 +14,8 @@ import zmq
 from steadfast import env, protocol
 
 _PR_SET_PDEATHSIG = 1
+# Largest router → worker message taken (a request's prompt ids are its bulk): a peer past it is cut off.
+MAX_MESSAGE_BYTES = 64 * 2**20
 
 
 def die_with_parent() -> None:
@@ -39,6 +41,7 @@ class WorkerInbox:
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
         self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sock.bind(address)
 
     def poll(self, timeout_ms: int) -> bool:
@@ -51,7 +54,12 @@ class WorkerInbox:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
-            messages.append(protocol.decode_to_worker(data))
+            try:
+                messages.append(protocol.decode_to_worker(data))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # Only this user can reach the socket (it lives in the launcher's private run
+                # folder), but a bad message must still never take the worker's requests down.
+                logging.getLogger(__name__).error("dropped a malformed message to the worker: %s", exc)
 
 
 class WorkerOutbox:

@@ -7,7 +7,9 @@ the client can see; a client that goes away aborts its request on the worker.
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,20 +19,47 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from steadfast.control.engine_client import EngineDeadError
-from steadfast.control.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from steadfast.control.errors import (
+    APIError,
+    ErrorBody,
+    api_error_handler,
+    http_error_handler,
+    validation_error_handler,
+)
+from steadfast.control.guard import Guard, GuardConfig
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.serving import ServingContext, check_model, prepare
 from steadfast.control.streams import respond, stream_chat, stream_completion
 
+# What every route may answer besides its 200, documented so clients (and schemathesis) know it.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": why, "model": ErrorBody}
+    for status, why in (
+        (400, "invalid request"),
+        (401, "missing or wrong API key"),
+        (403, "not allowed (admin route from a non-loopback client; wrong resume token)"),
+        (404, "unknown model or request"),
+        (413, "request body over server.max_body_bytes"),
+        (429, "over a limit (pending requests, connections); see Retry-After"),
+        (500, "the engine failed this request"),
+        (503, "no worker ready; see Retry-After"),
+    )
+}
+# A completion is one JSON body, or an SSE stream when `stream` is true.
+ANSWERS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the completion", "content": {"application/json": {}, "text/event-stream": {}}}
+}
 
-def create_app(ctx: ServingContext) -> FastAPI:
-    app = FastAPI(title="Steadfast", version="0.1.0")
+
+def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI:
+    app = FastAPI(title="Steadfast", version="0.1.0", responses=ERROR_RESPONSES)
+    app.add_middleware(Guard, cfg=guard or GuardConfig())
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+    async def engine_dead(request: Request, exc: EngineDeadError) -> Response:
         return APIError(
             str(exc), 503, type_="service_unavailable", code="no_worker", headers={"Retry-After": "1"}
         ).response()
@@ -97,7 +126,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
         """Requests moved off dead workers: from where to where, at which token, by which route, at what cost."""
         return [
             {
-                "request_id": t.request_id,
+                # Not the request id: with it (and its resume token) a stream could be resumed.
+                "request": request_tag(t.request_id),
                 "from_worker": t.from_worker,
                 "to_worker": t.to_worker,
                 "at_token": t.at_token,
@@ -124,7 +154,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ANSWERS)
     async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(ctx, body)
         prompt = body.prompt
@@ -137,7 +167,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError("'prompt' must not be empty.", param="prompt")
-            ids = ctx.tokenizer.encode(prompt)
+            check_chars(ctx, len(prompt), "prompt")
+            ids = await tokenized(ctx, "prompt", ctx.tokenizer.encode, prompt)
         else:
             ids = list(prompt)
             if not ids:
@@ -145,27 +176,57 @@ def create_app(ctx: ServingContext) -> FastAPI:
             if any(t < 0 or t >= ctx.tokenizer.vocab_size for t in ids):
                 raise APIError(f"Token ids in 'prompt' must be in [0, {ctx.tokenizer.vocab_size}).", param="prompt")
         ensure_ready()
+        ctx.check_pending()
         prepared = prepare(ctx, body, ids, body.max_tokens, "cmpl")
 
         def choice(text: str) -> dict[str, Any]:
             return {"index": 0, "text": text, "logprobs": None}
 
-        return await respond(ctx, prepared, body.stream, http, stream_completion, "text_completion", choice)
+        return await respond(ctx, prepared, body, http, stream_completion, "text_completion", choice)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ANSWERS)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(ctx, body)
+        if len(body.messages) > ctx.limits.max_messages:
+            raise APIError(
+                f"This request has {len(body.messages)} messages; the limit is {ctx.limits.max_messages}.",
+                param="messages",
+                code="too_many_messages",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = ctx.tokenizer.encode_chat(messages)
-        except Exception as exc:  # a template may raise on an order of roles it does not accept
-            raise APIError(f"The chat template rejected these messages: {exc}", param="messages") from exc
+        check_chars(ctx, sum(len(m["content"]) for m in messages), "messages")
+        ids = await tokenized(ctx, "messages", ctx.tokenizer.encode_chat, messages)
         ensure_ready()
+        ctx.check_pending()
         prepared = prepare(ctx, body, ids, body.token_limit, "chatcmpl")
 
         def choice(text: str) -> dict[str, Any]:
             return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
 
-        return await respond(ctx, prepared, body.stream, http, stream_chat, "chat.completion", choice)
+        return await respond(ctx, prepared, body, http, stream_chat, "chat.completion", choice)
 
     return app
+
+
+def check_chars(ctx: ServingContext, chars: int, param: str) -> None:
+    if chars > ctx.limits.max_prompt_chars:
+        raise APIError(
+            f"The prompt has {chars} characters; the limit is {ctx.limits.max_prompt_chars}.",
+            param=param,
+            code="prompt_too_long",
+        )
+
+
+async def tokenized(ctx: ServingContext, param: str, encode: Callable[[Any], list[int]], what: Any) -> list[int]:
+    """Token ids of a prompt or of rendered messages, computed off the event loop; text the tokenizer or
+    the chat template refuses (a lone surrogate, roles in an order the template rejects) is a 400."""
+    try:
+        return await ctx.off_loop(encode, what)
+    except Exception as exc:
+        where = "chat template" if param == "messages" else "tokenizer"
+        raise APIError(f"The {where} rejected this {param}: {exc}", param=param) from exc
+
+
+def request_tag(request_id: str) -> str:
+    """A short name for a request in admin views and logs that cannot be turned back into its id."""
+    return hashlib.sha256(request_id.encode()).hexdigest()[:12]

@@ -31,8 +31,10 @@ from steadfast.protocol import (
     AbortRequest,
     AddRequest,
     Fallback,
+    FinishReason,
     Handoff,
     Promote,
+    RequestOutput,
     Resume,
     StepOutputs,
     WorkerDied,
@@ -89,6 +91,11 @@ class EngineClient:
     @property
     def ready(self) -> bool:
         return self.registry.ready
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not finished (their streams still open)."""
+        return len(self._flights)
 
     def _add_worker(self, worker_id: int, address: str, role: WorkerRole) -> WorkerHandle:
         sock = self.ctx.socket(zmq.PUSH)
@@ -208,7 +215,11 @@ class EngineClient:
         text) continues where it is, and the index below which outputs are not resent. Raises
         UnknownRequestError when neither the router nor a ledger knows the request."""
         live = self._flights.pop(request_id, None)
-        if live is not None:  # the old stream's handler has not noticed its client left yet
+        if live is not None:
+            # Its old connection is still open (a half-dead one not yet noticed, or a second tab): it
+            # ends now with an error event saying where the stream went, rather than stall for ever.
+            superseded = "this stream was resumed on another connection"
+            live.queue.put_nowait(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=superseded))
             self.resumption_records.retire(live)
             owner = self.registry.get(live.mark.owner)
             if owner is not None:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """The schema of every error answer (for /openapi.json)."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -31,8 +46,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII-escaped: a message that quotes the client's input (a model name holding a lone
+        # surrogate) must still be a body we can send.
+        content = json.dumps(self.body(), ensure_ascii=True)
+        return Response(content, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 # Names pydantic puts in an error's location for the member of a union that failed, not a field.
@@ -56,7 +74,7 @@ def _describe(errors: list[Any]) -> tuple[str, str | None]:
     return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param
 
 
-async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+async def validation_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
     if not errors:
@@ -66,12 +84,12 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
     return APIError(message, 400, param=param, code="invalid_json" if param is None else None).response()
 
 
-async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
 
 
-async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+async def http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return APIError(str(exc.detail), exc.status_code, type_=type_).response()

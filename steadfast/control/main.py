@@ -10,11 +10,14 @@ import os
 
 import uvicorn
 
+from steadfast import env
 from steadfast.config import config_from_dict
 from steadfast.control.api import create_app
 from steadfast.control.engine_client import EngineClient
+from steadfast.control.guard import GuardConfig
 from steadfast.control.metrics import Metrics
-from steadfast.control.serving import ServingContext
+from steadfast.control.resume_token import ResumeSigner
+from steadfast.control.serving import Limits, ServingContext
 from steadfast.ipc import die_with_parent, setup_logging
 from steadfast.model.gguf_meta import max_model_len, open_gguf, read_config
 from steadfast.model.tokenizer import GGUFTokenizer
@@ -24,9 +27,10 @@ log = logging.getLogger("steadfast.router")
 
 
 async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], output: str, ledger_urls: list[str]) -> None:
-    cfg = config_from_dict(json.loads(cfg_json))
+    cfg = config_from_dict(json.loads(cfg_json)).with_env_keys()  # (keys never come on the command line)
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
+    srv = cfg.server
     client = EngineClient(
         workers,
         output,
@@ -44,9 +48,12 @@ async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], outpu
         max_model_len=max_model_len(cfg, model_cfg),
         block_size=cfg.cache.block_size,
         metrics=Metrics(),
+        signer=ResumeSigner(env.resume_key()),
+        limits=Limits(srv.max_messages, srv.max_prompt_chars, srv.max_pending_requests),
     )
     client.on_handoff = ctx.metrics.handoff
-    app = create_app(ctx)
+    guard = GuardConfig(srv.api_key, srv.admin_api_key, srv.open_metrics, srv.max_body_bytes, srv.max_connections)
+    app = create_app(ctx, guard)
     if cfg.server.router_nice:
         # Only now: a router restarted on a loaded machine must come up at full priority, because its
         # clients are waiting to resume; serving, it yields the CPU to the workers.

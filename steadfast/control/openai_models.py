@@ -12,6 +12,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 Number = StrictFloat | StrictInt
+# Bounds on client numbers, so a value the engine cannot hold (a C long, a tensor index) is a 400 here
+# and never an error inside a step shared with other requests.
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_STOP_TOKEN_IDS = 64
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -25,18 +31,18 @@ class _Sampling(BaseModel):
     model: StrictStr
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    n: Annotated[StrictInt, Field(ge=1)] = 1
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    seed: StrictInt | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     priority: Literal["high", "normal", "low"] = "normal"
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
-    presence_penalty: Number = 0.0
-    frequency_penalty: Number = 0.0
+    presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None
 
@@ -67,11 +73,11 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    prompt: StrictStr | list[StrictStr] | list[TokenId]
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     suffix: StrictStr | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -106,8 +112,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: StrictBool = False
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None

@@ -8,6 +8,7 @@ ledgers stands in. What a record lacks is regenerated (fixed seed per token inde
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -42,9 +43,16 @@ class Known:
 
 
 class Resumption:
-    def __init__(self, window_s: float, ledger_urls: list[str] | tuple[str, ...] = ()) -> None:
-        """`ledger_urls`: each node's ledger, where a restarted router finds requests it never saw."""
+    def __init__(
+        self,
+        window_s: float,
+        ledger_urls: list[str] | tuple[str, ...] = (),
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`ledger_urls`: each node's ledger, where a restarted router finds requests it never saw.
+        `wall_clock`: the ledgers' time (rows are stamped by other processes)."""
         self.window_s = window_s
+        self.wall_clock = wall_clock
         self.ledger_urls = list(ledger_urls)
         self._retired: dict[str, Retired] = {}
 
@@ -85,7 +93,9 @@ class Resumption:
                 ck = ledger.request(request_id)
             finally:
                 ledger.close()
-            if ck is not None and (best is None or len(ck.generated_ids) > len(best.generated_ids)):
+            if ck is None or (ck.phase == "finished" and self.wall_clock() - ck.updated_at > self.window_s):
+                continue  # (a finished request's row outlives the window only until the pool prunes it)
+            if best is None or len(ck.generated_ids) > len(best.generated_ids):
                 best = ck
         if best is None:
             raise UnknownRequestError(request_id)

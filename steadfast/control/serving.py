@@ -4,18 +4,33 @@ metrics while it runs. No HTTP routing here (api.py), no SSE framing (streams.py
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from steadfast.control.engine_client import EngineClient
 from steadfast.control.errors import APIError
 from steadfast.control.metrics import Metrics
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
+from steadfast.control.resume_token import ResumeSigner, body_digest
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.protocol import PRIORITIES, AddRequest, RequestOutput, SamplingParams
+
+# Below this a temperature divides logits into overflow: it is greedy (as vLLM's sampling epsilon).
+GREEDY_BELOW = 1e-5
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_messages: int = 1024
+    max_prompt_chars: int = 1_000_000
+    max_pending_requests: int = 1024
 
 
 @dataclass
@@ -27,6 +42,25 @@ class ServingContext:
     block_size: int
     metrics: Metrics
     created: int = 0
+    signer: ResumeSigner = field(default_factory=ResumeSigner)
+    limits: Limits = field(default_factory=Limits)
+    # Tokenizing and template rendering run here, never on the event loop that writes every stream.
+    tokenize_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "tokenize"))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def check_pending(self) -> None:
+        """429 when as many requests as the limit are admitted and not finished."""
+        limit = self.limits.max_pending_requests
+        if self.client.pending >= limit:
+            raise APIError(
+                f"The server has {limit} requests pending, its limit; retry shortly.",
+                429,
+                type_="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
 
 
 @dataclass
@@ -36,6 +70,7 @@ class Prepared:
     add: AddRequest
     include_usage: bool
     return_token_ids: bool = False
+    resume_token: str = ""  # the secret in this request's event ids (resume_token.py)
     # A reconnect (Last-Event-ID): the client holds this many tokens and characters of text already.
     have_tokens: int = 0
     have_chars: int = 0
@@ -79,7 +114,14 @@ def prepare(
             code="kv_capacity_exceeded",
         )
     temperature = 1.0 if body.temperature is None else float(body.temperature)
-    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
+    vocab = ctx.tokenizer.vocab_size
+    bad_stop = next((t for t in body.stop_token_ids or () if t >= vocab), None)
+    if bad_stop is not None:
+        raise APIError(f"Token id {bad_stop} in 'stop_token_ids' is not in [0, {vocab}).", param="stop_token_ids")
+    # top_k of the vocabulary or more keeps every token: no filter at all.
+    top_k = body.top_k if body.top_k and 0 < body.top_k < vocab else 0
     seed = body.seed if body.seed is not None else random.getrandbits(63)  # fixed at admission, kept with it
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -94,7 +136,8 @@ def prepare(
     rid = f"{prefix}-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])
-    return Prepared(rid, prompt_ids, add, include_usage, body.return_token_ids)
+    token = ctx.signer.token(rid, body_digest(body))
+    return Prepared(rid, prompt_ids, add, include_usage, body.return_token_ids, token)
 
 
 def check_model(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:

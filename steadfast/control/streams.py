@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from steadfast.control.engine_client import EngineDeadError
 from steadfast.control.errors import APIError
+from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.resume import UnknownRequestError
+from steadfast.control.resume_token import body_digest, parse_event_id
 from steadfast.control.serving import Generation, Prepared, ServingContext, error_output
 from steadfast.protocol import FinishReason
 
@@ -72,7 +74,7 @@ async def collect(gen: Generation, http: Request) -> tuple[str, list[int]] | Non
 async def respond(
     ctx: ServingContext,
     prepared: Prepared,
-    stream: bool,
+    body: CompletionRequest | ChatCompletionRequest,
     http: Request,
     streamer: Callable[[ServingContext, Generation], AsyncIterator[bytes]],
     obj: str,
@@ -80,9 +82,10 @@ async def respond(
 ) -> Response:
     """Run an admitted request: an SSE stream, or one JSON body once it is done. A stream request
     carrying `Last-Event-ID` continues the request that event belongs to instead of starting anew."""
+    stream = body.stream
     last_event = http.headers.get("last-event-id")
     if last_event and stream:
-        prepared = await reconnect(ctx, prepared, last_event)
+        prepared = await reconnect(ctx, prepared, last_event, body_digest(body))
     gen = Generation(ctx, prepared)
     if stream:
         return StreamingResponse(streamer(ctx, gen), media_type="text/event-stream")
@@ -104,20 +107,30 @@ async def respond(
     return JSONResponse(body)
 
 
-async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str) -> Prepared:
+async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, digest: bytes) -> Prepared:
+    """The request a client continues with `Last-Event-ID`: only with the resume token of that request
+    and the body it was sent with, and only within the idempotency window; refused before anything
+    is sent or stopped otherwise."""
     try:
-        rid, tokens, chars = last_event.rsplit(":", 2)
-        have_tokens, have_chars = int(tokens), int(chars)
-        if have_tokens < 0 or have_chars < 0:
-            raise ValueError
+        point = parse_event_id(last_event)
     except ValueError:
         raise APIError(
-            f"Last-Event-ID {last_event!r} is not an id this server sent ('<request id>:<tokens>:<chars>').",
+            f"Last-Event-ID {last_event!r} is not an id this server sent.",
             param="Last-Event-ID",
             code="invalid_last_event_id",
         ) from None
+    if not ctx.signer.valid(point, digest):
+        raise APIError(
+            "Last-Event-ID does not belong to a request sent with this body: resume with the event id and the "
+            "body of the original request.",
+            403,
+            type_="permission_error",
+            param="Last-Event-ID",
+            code="invalid_resume_token",
+        )
+    rid = point.request_id
     try:
-        add, skip = await ctx.client.resumption(rid, have_tokens, have_chars)
+        add, skip = await ctx.client.resumption(rid, point.have_tokens, point.have_chars)
     except UnknownRequestError:
         raise APIError(
             f"Request {rid} is unknown here or older than the idempotency window; it cannot be resumed.",
@@ -126,7 +139,16 @@ async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str) ->
             param="Last-Event-ID",
             code="request_not_found",
         ) from None
-    return Prepared(rid, add.prompt_ids, add, prepared.include_usage, prepared.return_token_ids, skip, have_chars)
+    return Prepared(
+        rid,
+        add.prompt_ids,
+        add,
+        prepared.include_usage,
+        prepared.return_token_ids,
+        point.token,
+        skip,
+        point.have_chars,
+    )
 
 
 async def stream(
@@ -161,7 +183,7 @@ async def stream(
                 if p.return_token_ids:
                     choice["token_ids"] = out.token_ids
                 # The event id says what the client holds after it (tokens, characters): a resume point.
-                yield chunk([choice], f"{p.request_id}:{gen.completion_tokens}:{gen.text_chars}")
+                yield chunk([choice], resume_at(ctx, gen))
         if p.include_usage:
             yield chunk([], usage=usage(len(p.prompt_ids), gen.completion_tokens, gen.cached_tokens))
         yield sse("[DONE]")
@@ -169,6 +191,11 @@ async def stream(
         yield sse(APIError(str(exc), 503, type_="service_unavailable").body())
     finally:
         await outputs.aclose()
+
+
+def resume_at(ctx: ServingContext, gen: Generation) -> str:
+    p = gen.p
+    return ctx.signer.event_id(p.request_id, p.resume_token, gen.completion_tokens, gen.text_chars)
 
 
 def stream_completion(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:

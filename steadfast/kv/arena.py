@@ -1,7 +1,8 @@
 """The KV arena: one file-backed shared-memory region holding every KV block.
 
-The arena is a file (in /dev/shm by default) mapped MAP_SHARED, so any process on the node that knows
-its path can map the same bytes: the engine that fills blocks is not the owner of the memory.
+The arena is a file (in /dev/shm by default) mapped MAP_SHARED, so any process of ours on the node that
+knows its path can map the same bytes: the engine that fills blocks is not the owner of the memory. Its
+files are private to our user and fully reserved when made (`arena_file.py`).
 
 Physical layout: `[num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]`.
 A block id names the same slot in every (layer, K/V, head) plane, so a block holds K and V of every
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from steadfast.kv import arena_file
 from steadfast.kv.spec import ArenaSpec
 from steadfast.protocol import CudaIpcHandle
 
@@ -102,26 +104,39 @@ class KVArena:
 
     @classmethod
     def create(cls, path: str, spec: ArenaSpec) -> KVArena:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            f.truncate(spec.nbytes)  # sparse: pages are only backed once touched
-        _spec_path(path).write_text(json.dumps(asdict(spec)))
-        return cls._map(path, spec)
+        """A new arena file at `path` (mode 0600, its space reserved): ArenaSpaceError if the folder
+        cannot hold it, FileExistsError if anything is at `path` already."""
+        fd = arena_file.create(path, spec.nbytes)
+        try:
+            arena_file.write_private(str(_spec_path(path)), json.dumps(asdict(spec)))
+            return cls._map(fd, path, spec)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
 
     @classmethod
     def attach(cls, path: str) -> KVArena:
-        spec_file = _spec_path(path)
-        if not spec_file.is_file():
-            raise FileNotFoundError(f"no KV arena at {path}")
-        spec = ArenaSpec(**json.loads(spec_file.read_text()))
-        if os.path.getsize(path) != spec.nbytes:
-            raise ValueError(f"KV arena {path} is {os.path.getsize(path)} bytes, its spec says {spec.nbytes}")
-        return cls._map(path, spec)
+        """Map the arena another process of ours made; refused if its files are not private to us."""
+        try:
+            spec = ArenaSpec(**json.loads(arena_file.read_private(str(_spec_path(path)))))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no KV arena at {path}") from None
+        fd = arena_file.open_private(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != spec.nbytes:
+                raise ValueError(f"KV arena {path} is {size} bytes, its spec says {spec.nbytes}")
+            return cls._map(fd, path, spec)
+        finally:
+            os.close(fd)
 
     @classmethod
-    def _map(cls, path: str, spec: ArenaSpec) -> KVArena:
+    def _map(cls, fd: int, path: str, spec: ArenaSpec) -> KVArena:
         numel = spec.block_numel * spec.num_blocks
-        flat = torch.from_file(path, shared=True, size=numel, dtype=torch_dtype(spec))
+        # Through the descriptor that was checked, so the path cannot be swapped in between.
+        flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=torch_dtype(spec))
         return cls(path, spec, flat.view(spec.shape))
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

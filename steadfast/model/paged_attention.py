@@ -15,8 +15,10 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +41,15 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def _ours_alone(path: Path, kind: Callable[[int], bool]) -> bool:
+    """Whether `path` is of `kind` (never a symlink), owned by us and writable by nobody else."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return kind(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def _build() -> Path | None:
     """The kernel's shared library for this machine, compiled unless already cached."""
     compiler = shutil.which("cc") or shutil.which("gcc")
@@ -48,13 +59,23 @@ def _build() -> Path | None:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), _cpu_flags()]).encode())
     name = f"paged_attention-{key.hexdigest()[:16]}.so"
-    # The user's cache first; a private temporary directory where that cannot be written.
+    # The user's cache first; a private temporary directory where that cannot be written. A library
+    # found where someone else could have put it is anyone's code: such a folder is passed over.
     for folder in (kernel_cache_dir(), Path(tempfile.gettempdir()) / f"steadfast-kernels-{os.getuid()}"):
         target = folder / name
-        if target.exists():
-            return target
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if not _ours_alone(folder, stat.S_ISDIR):
+            log.warning("%s is not a folder only this user can write: no kernel kept there is loaded", folder)
+            continue
+        if _ours_alone(target, stat.S_ISREG):
+            return target
+        if os.path.lexists(target):
+            log.warning("%s is a symlink, another user's or writable by others: not loaded", target)
+            continue
+        try:
             # Compiled under a private name, then renamed: processes starting together never load half a file.
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         except OSError:
@@ -65,6 +86,7 @@ def _build() -> Path | None:
             os.unlink(tmp)
             log.warning("paged-attention kernel did not compile; decode attention stays on torch:\n%s", done.stderr)
             return None
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask, which may let the group write
         os.replace(tmp, target)
         return target
     log.warning("nowhere to write the paged-attention kernel; decode attention stays on the torch path")

@@ -10,6 +10,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
+from steadfast.kv.moves.curve import TransferSide
 from steadfast.kv.spec import ArenaSpec
 from steadfast.protocol import WorkerRole
 
@@ -97,7 +98,15 @@ def worker_spec(
     role: WorkerRole,
     arena: ArenaSource,
     node: int = 0,
+    transfer: TransferSide | None = None,
+    transfer_keys: str = "",
 ) -> ChildSpec:
+    """`transfer`: the worker's side of the KV wire between nodes (None: it goes by its role);
+    `transfer_keys`: the path of that side's key file (a path only: a key on a command line is public)."""
+    wire = (
+        *(("--transfer-side", str(transfer)) if transfer is not None else ()),
+        *(("--transfer-keys", transfer_keys) if transfer_keys else ()),
+    )
     argv = (
         "steadfast.worker.main",
         "--config-json",
@@ -111,6 +120,7 @@ def worker_spec(
         "--role",
         str(role),
         *arena.argv(),
+        *wire,
     )
     return ChildSpec(ChildKind.WORKER, f"worker{worker_id}", argv, OnExit.REPLACE, worker_id, node)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,14 +29,17 @@ from pathlib import Path
 import httpx
 import zmq
 
-from steadfast import protocol
+from steadfast import env, protocol
 from steadfast.config import Config
 from steadfast.kv.arena import KVArena
+from steadfast.kv.arena_file import ArenaSpaceError, check_space
 from steadfast.kv.ledger import LeaseState, Ledger
 from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
+from steadfast.kv.moves.curve import CurveUnavailableError, TransferSide, write_deployment_keys
 from steadfast.kv.pool_client import PoolClient
 from steadfast.kv.spec import ArenaSpec, arena_spec
 from steadfast.model.gguf_meta import open_gguf, read_config
+from steadfast.ops.arena_dir import ArenaDir
 from steadfast.ops.children import ArenaSource, ChildKind, ChildSpec, OnExit, pool_spec, router_spec, worker_spec
 from steadfast.protocol import WorkerDied, WorkerJoined, WorkerRole
 
@@ -47,6 +51,13 @@ STANDBY_RESPAWN_DELAY_S = 2.0
 
 class StartupError(RuntimeError):
     pass
+
+
+def hand_keys_to_children(cfg: Config) -> None:
+    """Secrets reach the children through their inherited environment, never their command lines
+    (which every local user can read); the resume key is made once per deployment, so a restarted
+    router accepts the event ids its predecessor sent."""
+    env.export_keys(cfg.server.api_key, cfg.server.admin_api_key, env.resume_key() or secrets.token_bytes(32))
 
 
 @dataclass
@@ -80,7 +91,8 @@ class Launcher:
     cfg: Config
     run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="steadfast-")))
     children: list[Child] = field(default_factory=list)
-    arenas: list[KVArena] = field(default_factory=list)
+    arenas: list[KVArena] = field(default_factory=list)  # per-worker arenas (no pool), in arena_folder
+    arena_folder: ArenaDir | None = None
     shared_files: list[str] = field(default_factory=list)
     nodes: list[PoolNode] = field(default_factory=list)
     node_of: dict[int, int] = field(default_factory=dict)  # worker id → index into nodes
@@ -96,19 +108,31 @@ class Launcher:
         cfg = self.cfg
         model_cfg = read_config(open_gguf(cfg.model.resolved_path))
         spec = arena_spec(cfg, model_cfg)
-        cfg_json = json.dumps(cfg.to_dict())
+        cfg_json = json.dumps(cfg.public().to_dict())
+        hand_keys_to_children(cfg)
         output = f"ipc://{self.run_dir}/outputs"
-        tag = f"steadfast-{os.getpid()}-{self.run_dir.name}"
         srv = cfg.server
-        if cfg.fault_recovery.kv_cache.external_ledger:
-            # One arena per node, owned by its kvpool daemon, which grants blocks to the node's workers.
-            for i in range(2 if srv.decode_node == "separate" else 1):
-                self._start_pool(i, cfg_json, spec, tag)
-        self._cfg_json, self._output, self._tag, self._spec = cfg_json, output, tag, spec
-        last = max(len(self.nodes) - 1, 0)  # decode workers' node: the second when separate
+        # One arena per node, owned by its kvpool daemon, which grants blocks to the node's workers.
+        pools = (2 if srv.decode_node == "separate" else 1) if cfg.fault_recovery.kv_cache.external_ledger else 0
+        last = max(pools - 1, 0)  # decode workers' node: the second when separate
         placed = [(WorkerRole.MIXED, 0)] * srv.workers + [(WorkerRole.PREFILL, 0)] * srv.prefill_workers
         placed += [(WorkerRole.DECODE, last)] * srv.decode_workers
         placed += [(WorkerRole.STANDBY, node) for node in range(last + 1) for _ in range(srv.standby_workers)]
+        try:
+            self.arena_folder = ArenaDir.create(cfg.cache.arena_dir)  # and removes those of dead launchers
+        except OSError as exc:
+            raise StartupError(f"cannot keep KV arenas in cache.arena_dir {cfg.cache.arena_dir}: {exc}") from None
+        if cfg.model.resolved_device == "cpu":  # else every arena is device memory
+            self._check_arena_space(pools or len(placed), spec)
+        for i in range(pools):
+            self._start_pool(i, cfg_json, spec)
+        self._cfg_json, self._output, self._spec = cfg_json, output, spec
+        # The KV wire between nodes: one keypair per side, made once per deployment, handed over as files.
+        wire_keys = srv.decode_node == "separate" and cfg.transfer.curve
+        try:
+            self._wire_keys = write_deployment_keys(self.run_dir) if wire_keys else {}
+        except CurveUnavailableError as exc:
+            raise StartupError(str(exc)) from None
         for worker_id, (role, node) in enumerate(placed):
             self._spawn_worker(worker_id, role, node)
         active = [i for i, (role, _) in enumerate(placed) if role != WorkerRole.STANDBY]
@@ -124,6 +148,19 @@ class Launcher:
             f" per node, {len(self.nodes)} node(s)" if self.nodes else " per worker",
         )
         self._wait_healthy()
+
+    def _check_arena_space(self, count: int, spec: ArenaSpec) -> None:
+        """Fail now, with the sizes, if the arena folder cannot hold the `count` arenas of this start
+        (their creators reserve their space too, but a pool's failure would only say it did not start)."""
+        what = "the KV arena" if count == 1 else f"{count} KV arenas of {spec.nbytes / 2**20:.0f} MiB"
+        try:
+            check_space(self.cfg.cache.arena_dir, count * spec.nbytes, what)
+        except ArenaSpaceError as exc:
+            raise StartupError(str(exc)) from None
+
+    def _arena_path(self, name: str) -> str:
+        assert self.arena_folder is not None
+        return os.path.join(self.arena_folder.path, name)
 
     def _worker_address(self, worker_id: int) -> str:
         return f"ipc://{self.run_dir}/worker{worker_id}"
@@ -149,13 +186,17 @@ class Launcher:
         elif self.cfg.model.resolved_device != "cpu":
             source = ArenaSource(device=True)  # device memory cannot be made here and handed over
         else:
-            arena = KVArena.create(str(Path(self.cfg.cache.arena_dir) / f"{self._tag}-w{worker_id}.kv"), self._spec)
+            arena = KVArena.create(self._arena_path(f"worker{worker_id}.kv"), self._spec)
             self.arenas.append(arena)
             source = ArenaSource(arena_file=arena.path)
         address = self._worker_address(worker_id)
         self.node_of[worker_id] = node
         self.next_worker_id = max(self.next_worker_id, worker_id + 1)
-        self._spawn(worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node))
+        side = TransferSide.NONE  # one node: no KV wire at all
+        if self.cfg.server.decode_node == "separate":  # the decode node's workers (standbys too) receive
+            side = TransferSide.RECEIVE if node == len(self.nodes) - 1 else TransferSide.SEND
+        keys = str(self._wire_keys.get(side, ""))
+        self._spawn(worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node, side, keys))
         return address
 
     def _kill_fenced(self) -> None:
@@ -202,10 +243,10 @@ class Launcher:
             started.append(self.children[-1])
         return started
 
-    def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec, tag: str) -> None:
+    def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec) -> None:
         configured = self.cfg.fault_recovery.kv_cache.resolved_ledger_url
         suffix = "" if index == 0 else f"-node{index}"
-        arena_path = str(Path(self.cfg.cache.arena_dir) / f"{tag}{suffix}.kv")
+        arena_path = self._arena_path(f"kvpool{suffix}.kv")
         if configured:
             ledger = sibling_ledger_url(configured, suffix)
         else:
@@ -219,7 +260,6 @@ class Launcher:
         )
         node = PoolNode(index, address, ledger, child)
         self.nodes.append(node)
-        self.shared_files += [arena_path, arena_path + ".json"]
         self._spawn(child)
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -304,8 +344,8 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
-        for arena in self.arenas:
-            arena.unlink()
         for path in self.shared_files:
             Path(path).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.arena_folder is not None:
+            self.arena_folder.release()  # every arena file of this launcher is in it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from steadfast.config import Config
@@ -223,9 +224,15 @@ class Engine:
         t0 = time.perf_counter()
         if self.sync is not None:
             self.sync.before_execute(self.blocks)
-        logits, samplers = self.runner.execute(scheduled, self.kv.layer_hook(scheduled))
+        hook = self.kv.layer_hook(scheduled)
+        try:
+            samplers, tokens = self._compute(scheduled, hook)
+        except Exception as failure:
+            isolated = self._isolate(scheduled, hook, outputs, failure)
+            if isolated is None:
+                return outputs
+            scheduled, (samplers, tokens) = isolated
         prompt_done = self._advance(scheduled)
-        tokens = sample(logits, [r.params for r in samplers], [len(r.output_ids) for r in samplers])
         for request, token in zip(samplers, tokens, strict=True):
             outputs.append(self._append(request, token))
         self.steps += 1
@@ -236,6 +243,51 @@ class Engine:
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def _compute(self, scheduled: ScheduledStep, hook: Callable[[int], None] | None) -> tuple[list[Request], list[int]]:
+        """The forward pass and the sampling of one step: nothing but the step's KV slots changes."""
+        logits, samplers = self.runner.execute(scheduled, hook)
+        return samplers, sample(logits, [r.params for r in samplers], [len(r.output_ids) for r in samplers])
+
+    def _isolate(
+        self,
+        scheduled: ScheduledStep,
+        hook: Callable[[int], None] | None,
+        outputs: list[RequestOutput],
+        failure: Exception,
+    ) -> tuple[ScheduledStep, tuple[list[Request], list[int]]] | None:
+        """A step failed: find the requests that fail on their own, end them with an error, and compute
+        the step again without them, so one request's bad input never costs the others a token. A
+        failure no single request reproduces, or that every one of several does, is the engine's own: it is
+        raised."""
+        culprits: dict[str, str] = {}
+        for r in scheduled.decodes:
+            culprits.update(self._probe(ScheduledStep(decodes=[r]), r))
+        for r, n in scheduled.prefills:
+            culprits.update(self._probe(ScheduledStep(prefills=[(r, n)]), r))
+        if not culprits or (len(culprits) > 1 and len(culprits) == len(scheduled.decodes) + len(scheduled.prefills)):
+            raise failure  # none fails alone, or every one does: the engine is broken, not a request
+        for rid, why in culprits.items():
+            request = self.scheduler.remove(rid)
+            log.error("request %s failed in a step and was removed from it: %s", rid, why)
+            outputs.append(RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=f"engine error: {why}"))
+            if request is not None:
+                self._finish(request, FinishReason.ERROR)
+        rest = ScheduledStep(
+            [r for r in scheduled.decodes if r.request_id not in culprits],
+            [(r, n) for r, n in scheduled.prefills if r.request_id not in culprits],
+            scheduled.preempted,
+        )
+        if rest.empty:
+            return None
+        return rest, self._compute(rest, hook)
+
+    def _probe(self, alone: ScheduledStep, request: Request) -> dict[str, str]:
+        try:
+            self._compute(alone, None)
+        except Exception as exc:
+            return {request.request_id: f"{type(exc).__name__}: {exc}"}
+        return {}
 
     def _advance(self, scheduled: ScheduledStep) -> bool:
         """Count the computed KV; True if some request's prefill is now complete."""

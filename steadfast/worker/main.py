@@ -21,6 +21,9 @@ from steadfast.config import Config, config_from_dict
 from steadfast.env import torch_threads, transfer_fault_source
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena
+from steadfast.kv.moves import curve
+from steadfast.kv.moves.checks import IncomingLimits
+from steadfast.kv.moves.curve import CurveKeys, TransferSide
 from steadfast.kv.moves.faults import fault_switch
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
@@ -130,15 +133,51 @@ class WorkerLoop:
             return failed
 
 
+def transfer_side(role: WorkerRole, given: TransferSide | None) -> TransferSide:
+    """What this worker does on the KV wire between nodes: what the launcher said (it knows the node);
+    a worker started by hand (tests) without it goes by its role."""
+    if given is not None:
+        return given
+    return {WorkerRole.PREFILL: TransferSide.SEND, WorkerRole.DECODE: TransferSide.RECEIVE}.get(role, TransferSide.NONE)
+
+
+def transfer_keys(cfg: Config, side: TransferSide, path: str | None) -> CurveKeys | None:
+    """This side's CURVE keys from the launcher's file; a separate decode node with `transfer.curve` and
+    no keys (or no CURVE in libzmq) is an error at start, not an open wire."""
+    if side is TransferSide.NONE:
+        return None
+    if path:
+        curve.require_curve()
+        keys = CurveKeys.load(path)
+        if keys.side is not side:
+            raise SystemExit(f"--transfer-keys {path} holds the {keys.side} side's keys; this worker's side is {side}")
+        return keys
+    if cfg.transfer.curve and cfg.server.decode_node == "separate":
+        raise SystemExit("transfer.curve is on but no --transfer-keys were given: the KV wire would be open")
+    log.warning("KV transfers to and from this worker are not authenticated (no --transfer-keys)")
+    return None
+
+
 def _other_nodes(
-    cfg: Config, arena: KVArena, pool_address: str, pool: PoolClient, sync: LedgerSync
-) -> tuple[KVSender, KVReceiver]:
-    """KV across nodes: a sender (used when this worker prefills for a decode worker elsewhere) and
-    a receiver (when it decodes what a prefill worker elsewhere computed), whose blocks come from
-    this node's pool through a client of its own (the receiver works on its own thread)."""
+    cfg: Config,
+    arena: KVArena,
+    pool_address: str,
+    pool: PoolClient,
+    sync: LedgerSync,
+    side: TransferSide,
+    keys: CurveKeys | None,
+) -> tuple[KVSender | None, KVReceiver | None]:
+    """KV across nodes: on the prefill node a sender (it prefills for a decode worker elsewhere); on the
+    decode node a receiver (it decodes what a prefill worker elsewhere computed), whose blocks come from
+    this node's pool through a client of its own (the receiver works on its own thread). On one node,
+    neither: no TCP socket is bound or connected."""
     t = cfg.transfer
-    faults = fault_switch(transfer_fault_source(t))  # None unless a fault drill is configured
-    sender = KVSender(arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults, arena.spec.block_size)
+    if side is TransferSide.SEND:
+        faults = fault_switch(transfer_fault_source(t))  # None unless a fault drill is configured
+        block_size = arena.spec.block_size
+        return KVSender(arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults, block_size, keys), None
+    if side is TransferSide.NONE:
+        return None, None
     grants = PoolClient(pool_address, pool.worker)
     grants.epoch = pool.epoch
     receiver = KVReceiver(
@@ -150,8 +189,10 @@ def _other_nodes(
         t.timeout,
         sync.lease.check,
         sync.decide_move,
+        keys,
+        IncomingLimits.of(t, arena.spec.num_blocks),
     )
-    return sender, receiver
+    return None, receiver
 
 
 def warm_up(engine: Engine) -> None:
@@ -177,6 +218,8 @@ def main() -> None:
     parser.add_argument("--device-arena", action="store_true", help="allocate a private arena in device memory")
     parser.add_argument("--pool", help="ZeroMQ address of the node's kvpool daemon")
     parser.add_argument("--role", type=WorkerRole, choices=list(WorkerRole), default=WorkerRole.MIXED)
+    parser.add_argument("--transfer-side", type=TransferSide, choices=list(TransferSide), help="KV wire role")
+    parser.add_argument("--transfer-keys", help="file of this side's CURVE keys for the KV wire (0600)")
     args = parser.parse_args()
     die_with_parent()
     setup_logging(f"worker{args.worker_id}")
@@ -203,7 +246,9 @@ def main() -> None:
         arena = map_arena(reply)
         sync = LedgerSync(cfg, pool, reply.ledger_url, arena)
         log.info("registered with the kvpool as %s, epoch %d", pool.worker, pool.epoch)
-        sender, receiver = _other_nodes(cfg, arena, args.pool, pool, sync)
+        side = transfer_side(args.role, args.transfer_side)
+        keys = transfer_keys(cfg, side, args.transfer_keys)
+        sender, receiver = _other_nodes(cfg, arena, args.pool, pool, sync, side, keys)
         engine = Engine(cfg, loaded, arena, source=pool, sync=sync, sender=sender, receiver=receiver)
         loop.node = args.pool
     elif args.device_arena:

@@ -31,6 +31,7 @@ class AbortReason(enum.StrEnum):
     SOURCE_ABORT = "source_abort"
     DESTINATION_ABORT = "destination_abort"
     NO_ROOM = "no_room"
+    BUSY = "busy"  # the destination holds as many incoming moves as it takes at once
     TIMEOUT = "timeout"
     SOURCE_VANISHED = "source_vanished"
     REQUEST_ENDED = "request_ended"

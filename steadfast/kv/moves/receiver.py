@@ -5,8 +5,10 @@ node's ledger when the source asks for it, and keeps committed blocks for the en
 
 This module owns the receiving half of the wire and the blocks reserved for a move until they are claimed.
 It must never keep a block nobody will claim (stalled, aborted, superseded or unclaimed moves give theirs
-back), write a byte without the lease check, record COMMITTED for blocks it does not hold verified, or let
-one bad message stop the receiver.
+back), write a byte without the lease check, record COMMITTED for blocks it does not hold verified (every
+layer of every token, each frame checksummed), take a session's messages from another connection than the
+one that opened it, reserve beyond its limits (`kv/moves/checks.py`), or let one bad message stop the
+receiver. With keys, only the deployment's senders get through at all (`kv/moves/curve.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +25,19 @@ import msgspec
 import xxhash
 import zmq
 
+from steadfast.config import TransferConfig
 from steadfast.kv.arena import KVArena
+from steadfast.kv.moves import curve
+from steadfast.kv.moves.checks import (
+    Drop,
+    IncomingLimits,
+    RateLimitedLog,
+    covers,
+    frame_problem,
+    max_message_bytes,
+    message_problem,
+)
+from steadfast.kv.moves.curve import CurveKeys
 from steadfast.kv.moves.messages import (
     Abort,
     AbortReason,
@@ -34,6 +49,7 @@ from steadfast.kv.moves.messages import (
     Decide,
     DestinationState,
     MoveOutcome,
+    MoveProtocolError,
     Prealloc,
     Release,
     Reserve,
@@ -42,7 +58,6 @@ from steadfast.kv.moves.messages import (
 from steadfast.kv.moves.packing import slots_for, write_span
 from steadfast.kv.moves.session import DestinationSession
 from steadfast.kv.moves.wire import (
-    MAX_MESSAGE_BYTES,
     AskDecision,
     Decision,
     KVFrame,
@@ -74,10 +89,11 @@ class MemoryDecisions:
 class _Incoming:
     session: DestinationSession
     request_id: str
-    sock: zmq.Socket
-    peer: bytes  # the source's identity on `sock`: where answers go
+    sock: zmq.Socket  # the connection that opened it: the only one it hears (a made-up copy of a live
+    peer: bytes  # session's name from elsewhere writes nothing); `peer`, its routing id, is where answers go
     manifests: dict[int, Copy] = field(default_factory=dict)
-    parts: dict[int, set[int]] = field(default_factory=dict)  # stage -> parts written and verified
+    # stage -> part -> (layer, start, count) of the parts written and verified
+    spans: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)
     ended: float = math.inf
 
 
@@ -97,12 +113,15 @@ class KVReceiver:
         timeout_s: float,
         lease_check: Callable[[], None] = lambda: None,
         decide: Decider | None = None,
+        keys: CurveKeys | None = None,
+        limits: IncomingLimits | None = None,
     ) -> None:
         """`addresses`: one per path (`tcp://host:0` takes a free port). `lease_check` raises unless
         this worker's lease is surely valid: no byte is written without. `decide`: records a session's
         decision in this node's ledger unless one is recorded, returning the recorded one (None: kept
         in memory, for a receiver with no ledger). A source quiet for `2 * timeout_s` (at least
-        `QUIET_FLOOR_S`) is taken to be gone."""
+        `QUIET_FLOOR_S`) is taken to be gone. `keys`: the receiving side's CURVE keys (None: anyone who
+        can connect is heard). `limits`: moves and blocks held at once (None: `transfer`'s defaults)."""
         self.arena, self.block_size = arena, block_size
         self.lease_check = lease_check
         self.grant, self.release, self.timeout_s = grant, release, timeout_s
@@ -110,13 +129,23 @@ class KVReceiver:
         # A step of a loaded prefill worker (its sender thread shares the cores with the forward pass)
         # can outlast a short timeout, and taking a live source for a vanished one costs it a path.
         self.quiet_s = max(2 * timeout_s, QUIET_FLOOR_S)
-        self.ctx = zmq.Context.instance()
+        self.limits = limits or IncomingLimits.of(TransferConfig(), arena.spec.num_blocks)
+        # A context of its own: the ZAP handler that checks CURVE clients serves one context, and a
+        # receiver's must answer for its sockets only. It runs before any socket binds (none unchecked).
+        self.ctx = zmq.Context()
+        self.auth = curve.serve(self.ctx, keys) if keys is not None else None
         self.socks: list[zmq.Socket] = []
         self.addresses: list[str] = []
         for address in addresses:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            # Bigger than one layer of the whole arena is no frame: libzmq drops it with its connection
+            # from the length in its header, before buffering it.
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(arena.spec))
+            # A source that reconnects with its routing id (the sender's paths keep one) keeps its sessions.
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if keys is not None:
+                curve.as_server(sock, keys)
             if address.endswith(":0"):
                 host = address.rsplit(":", 1)[0]
                 address = f"{host}:{sock.bind_to_random_port(host)}"
@@ -130,9 +159,21 @@ class KVReceiver:
         self._claims: dict[str, tuple[list[int], float]] = {}  # request -> committed blocks, since when
         self._stop = False
         self.received_bytes = 0
-        self.corrupt_chunks = 0
+        self.dropped: Counter[Drop] = Counter()  # messages dropped, by why (logged rate-limited)
+        self.refused: Counter[AbortReason] = Counter()  # PREALLOCs answered ABORT without reserving
+        self._log = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
         self._thread.start()
+
+    @property
+    def corrupt_chunks(self) -> int:
+        return self.dropped[Drop.CHECKSUM]
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks held by incoming moves that have not committed."""
+        with self._lock:
+            return self._reserved()
 
     def claim(self, request_id: str) -> list[int] | None:
         """The blocks of a committed move, now the engine's; None if there is none (expired)."""
@@ -146,6 +187,9 @@ class KVReceiver:
         self._thread.join(timeout=5)
         for sock in self.socks:
             sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
         with self._lock:
             for inc in self._sessions.values():
                 if inc.session.holds_reservation and inc.session.block_ids:
@@ -166,16 +210,37 @@ class KVReceiver:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if len(frames) != 2:
-                        continue
-                    try:
-                        self._handle(sock, frames[0], decode_to_destination(frames[1]))
-                    except Exception as exc:  # one bad message must not stop the receiver
-                        log.exception("bad KV move message")
-                        self.corrupt_chunks += isinstance(exc, msgspec.DecodeError | msgspec.ValidationError)
+                    self._receive(sock, frames)
             # Only with every socket read: a source whose messages wait unread is not a quiet one.
             if not any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in self.socks):
                 self._expire()
+
+    def _receive(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        """One message off the wire; whatever is wrong with it is logged and dropped here."""
+        try:
+            msg = decode_to_destination(frames[1]) if len(frames) == 2 else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            msg = None
+        if msg is None:
+            self._drop(Drop.UNDECODABLE, "?", f"{len(frames)} frame(s), not a source's message")
+            return
+        why = message_problem(msg)
+        if why is not None:
+            self._drop(why, msg.session, f"a {type(msg).__name__} no session may have")
+            return
+        try:
+            self._handle(sock, frames[0], msg)
+        except MoveProtocolError as exc:  # the source contradicted its session: refused, nothing else
+            self._drop(Drop.PROTOCOL, msg.session, str(exc))
+        except Exception:  # a bug: loud, but one bad message must not stop the receiver
+            log.exception("KV move %s: handling a %s failed", msg.session, type(msg).__name__)
+
+    def _drop(self, why: Drop, session: str, detail: str) -> None:
+        self.dropped[why] += 1
+        self._log.warning(why, "KV move %s: message dropped (%s: %s)", session, why, detail)
+
+    def _reserved(self) -> int:
+        return sum(len(i.session.block_ids) for i in self._sessions.values() if i.session.holds_reservation)
 
     def _handle(self, sock: zmq.Socket, peer: bytes, msg: ToDestination) -> None:
         now = time.monotonic()
@@ -190,15 +255,21 @@ class KVReceiver:
                     sock.send_multipart([peer, encode(Abort(msg.session, AbortReason.DESTINATION_ABORT))])
                 if not isinstance(msg, Prealloc):
                     return
-                inc = self._open(sock, peer, msg)
-            inc.sock, inc.peer = sock, peer
+                inc = self._open(sock, peer, msg, now)
+                if inc is None:
+                    return
+            elif inc.sock is not sock or inc.peer != peer:
+                self._drop(Drop.WRONG_PEER, msg.session, "another connection opened this session")
+                if isinstance(msg, Prealloc | Commit | Copy):  # (a new source reusing the name: next path)
+                    sock.send_multipart([peer, encode(Abort(msg.session, AbortReason.DESTINATION_ABORT))])
+                return
             d = inc.session
             match msg:
                 case KVFrame():
                     self._frame(inc, msg, now)
                     return
                 case Copy():
-                    if d.holds_reservation and 0 <= msg.stage < 64 and 0 <= msg.parts <= 1 << 16:
+                    if d.holds_reservation:
                         inc.manifests[msg.stage] = msg
                         d.heard(now)
                         self._complete(inc, msg.stage, now)
@@ -213,51 +284,87 @@ class KVReceiver:
                     else:  # decided aborted before it prepared: the reservation goes back now
                         self._act(inc, d.abort(AbortReason.DESTINATION_ABORT, now), now)
                     return
+                case Commit() if self._prepares(inc, msg) and not self._covered(inc):
+                    # Every announced part came and checked, yet some layer lacks tokens: the blocks would
+                    # hold stale bytes of their last owner. The source is broken; resending cannot help.
+                    self._drop(Drop.INCOMPLETE, msg.session, "the parts leave tokens of some layer unwritten")
+                    actions = d.abort(AbortReason.DESTINATION_ABORT, now)
                 case Commit():
                     actions = [self._with_parts(inc, a) for a in d.on_commit(msg, now)]
                 case _:
                     actions = d.receive(msg, now)
             self._act(inc, actions, now)
 
-    def _open(self, sock: zmq.Socket, peer: bytes, msg: Prealloc) -> _Incoming:
-        """A new session. An older one of the same request (the source moved to another path) is given
-        up first, so a request never holds two reservations here."""
+    def _open(self, sock: zmq.Socket, peer: bytes, msg: Prealloc, now: float) -> _Incoming | None:
+        """A new session, or None when refused (answered ABORT, nothing reserved, nothing kept). An older
+        one of the same request (the source moved to another path) is given up first, so a request never
+        holds two reservations here; a request whose KV already committed here gets no second move (it
+        would replace the blocks the engine claims and seals into its prefix cache)."""
         rid = msg.session.rsplit("/", 1)[0]
         old = self._sessions.get(self._latest.get(rid, ""))
+        if rid in self._claims or (old is not None and old.session.state is DestinationState.COMMITTED):
+            return self._refuse(sock, peer, msg, AbortReason.DESTINATION_ABORT)
         if old is not None and not old.session.finished:
-            self._act(old, old.session.abort(AbortReason.SOURCE_ABORT, time.monotonic()), time.monotonic())
+            self._act(old, old.session.abort(AbortReason.SOURCE_ABORT, now), now)
+        if sum(not i.session.finished for i in self._sessions.values()) >= self.limits.sessions:
+            return self._refuse(sock, peer, msg, AbortReason.BUSY)
+        if self._reserved() + msg.n_blocks > self.limits.blocks:
+            return self._refuse(sock, peer, msg, AbortReason.NO_ROOM)
         inc = self._sessions[msg.session] = _Incoming(DestinationSession(msg.session, self.quiet_s), rid, sock, peer)
         self._latest[rid] = msg.session
         return inc
 
+    def _refuse(self, sock: zmq.Socket, peer: bytes, msg: Prealloc, reason: AbortReason) -> None:
+        self.refused[reason] += 1
+        self._log.warning(reason, "KV move %s refused (%s, %d blocks asked)", msg.session, reason, msg.n_blocks)
+        sock.send_multipart([peer, encode(Abort(msg.session, reason))])
+
     def _frame(self, inc: _Incoming, f: KVFrame, now: float) -> None:
         d = inc.session
         if d.state not in (DestinationState.RESERVED, DestinationState.RECEIVING):
-            return  # a straggler, or a resend no longer needed
+            return  # a straggler, or a resend no longer needed: nothing is written once prepared
         d.heard(now)
-        spec = self.arena.spec
-        if not (
-            0 <= f.layer < spec.num_layers
-            and f.start >= 0
-            and 0 < f.count <= len(d.block_ids) * self.block_size - f.start
-        ):
-            raise ValueError(f"frame of {f.session}: layer {f.layer}, tokens {f.start}+{f.count} outside the move")
+        m = inc.manifests.get(f.stage)
+        why = frame_problem(f, self.arena.spec, len(d.block_ids), m.parts if m is not None else None)
+        if why is not None:
+            # From the session's own connection, a frame no session of it may hold: the source is broken
+            # (another model, another arena shape), and its reservation goes back now, not at the watchdog.
+            self._drop(why, f.session, f"part {f.part}: layer {f.layer}, tokens {f.start}+{f.count}")
+            self._act(inc, d.abort(AbortReason.DESTINATION_ABORT, now), now)
+            return
         self.lease_check()
-        got = inc.parts.setdefault(f.stage, set())
+        got = inc.spans.setdefault(f.stage, {})
         if xxhash.xxh3_64_intdigest(f.data) != f.checksum:
-            self.corrupt_chunks += 1
-            got.discard(f.part)
+            self._drop(Drop.CHECKSUM, f.session, f"part {f.part}: the ack names it")
+            got.pop(f.part, None)
             return
         write_span(self.arena, f.layer, slots_for(list(d.block_ids), self.block_size, f.start, f.count), f.data)
         self.received_bytes += len(f.data)
-        got.add(f.part)
+        got[f.part] = (f.layer, f.start, f.count)
         self._complete(inc, f.stage, now)
 
     def _complete(self, inc: _Incoming, stage: int, now: float) -> None:
         """A stage whose manifest and every part are in counts as received."""
         m = inc.manifests.get(stage)
-        if m is not None and stage not in inc.session.got and inc.parts.get(stage, set()) >= set(range(m.parts)):
+        if m is not None and stage not in inc.session.got and inc.spans.get(stage, {}).keys() >= set(range(m.parts)):
             self._act(inc, inc.session.on_copy(m, now), now)
+
+    def _prepares(self, inc: _Incoming, msg: Commit) -> bool:
+        """Whether this COMMIT finds every stage it names received (the session would prepare)."""
+        d = inc.session
+        receiving = d.state in (DestinationState.RESERVED, DestinationState.RECEIVING)
+        return receiving and all(s in d.got for s in range(msg.stages))
+
+    def _covered(self, inc: _Incoming) -> bool:
+        """Whether the announced parts written give every layer every token of the move."""
+        spans = [
+            span
+            for stage, parts in inc.spans.items()
+            if stage in inc.manifests
+            for k, span in parts.items()
+            if k < inc.manifests[stage].parts
+        ]
+        return covers(spans, self.arena.spec.num_layers, len(inc.session.block_ids), self.block_size)
 
     def _with_parts(self, inc: _Incoming, action: Action) -> Action:
         """An ack that names missing stages also names their missing parts, so only those are resent."""
@@ -268,7 +375,7 @@ class KVReceiver:
             for stage in action.message.missing
             if stage in inc.manifests
             for k in range(inc.manifests[stage].parts)
-            if k not in inc.parts.get(stage, set())
+            if k not in inc.spans.get(stage, {})
         )
         return Send(msgspec.structs.replace(action.message, parts=parts))
 
@@ -278,10 +385,8 @@ class KVReceiver:
             match work.pop(0):
                 case Send(message=m):
                     inc.sock.send_multipart([inc.peer, encode(m)])
-                case Reserve(n_blocks=n):
-                    # More than the whole arena is no room, whoever asks; asking the pool could not help.
-                    granted = self.grant(n) if 0 < n <= self.arena.spec.num_blocks else None if n else []
-                    work[:0] = inc.session.on_granted(granted, now)
+                case Reserve(n_blocks=n):  # (within the limits: `_open` refused the rest)
+                    work[:0] = inc.session.on_granted(self.grant(n), now)
                 case Release(block_ids=ids):
                     self.release(list(ids))
                 case Decide(session=sid, proposal=proposal):

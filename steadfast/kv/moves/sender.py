@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import xxhash
 import zmq
 
+from steadfast.kv.moves.curve import CurveKeys
 from steadfast.kv.moves.faults import FaultSwitch, FaultyPath, TransportFaults
 from steadfast.kv.moves.messages import (
     Abort,
@@ -102,16 +103,19 @@ class KVSender:
         backoff_s: float,
         faults: FaultSwitch | None = None,
         block_size: int = 16,
+        keys: CurveKeys | None = None,
     ) -> None:
         """`timeout_s`: the first wait for an answer (doubling per retry); `backoff_s`: the first pause
         before resending what an answer said is missing. `block_size`: the destination arena's (the same
         model's arena on every node; the receiver refuses a PREALLOC that disagrees). `faults`: the fault
-        switch, asked again at the start of every transfer; None: no drills (paths are never wrapped)."""
+        switch, asked again at the start of every transfer; None: no drills (paths are never wrapped).
+        `keys`: the sending side's CURVE keys (None: unauthenticated paths)."""
         self.num_layers, self.block_size = num_layers, block_size
         self.timeout_s = timeout_s
         self.retries = retries
         self.retry = RetryPolicy(retries, backoff_s)
         self.fault_source = faults
+        self.keys = keys
         self.faults: TransportFaults | None = None
         self.ctx = zmq.Context.instance()
         self._jobs: queue.Queue[Job] = queue.Queue()
@@ -240,7 +244,7 @@ class KVSender:
     def _path(self, out: _Outgoing) -> Transport:
         key = out.addresses[out.path]
         if key not in self._paths:
-            path: Transport = ZmqPath(self.ctx, key[0], key[1], self.timeout_s)
+            path: Transport = ZmqPath(self.ctx, key[0], key[1], self.timeout_s, self.keys)
             self._paths[key] = FaultyPath(path) if self.fault_source is not None else path
         path = self._paths[key]
         if isinstance(path, FaultyPath):

@@ -8,11 +8,14 @@ block without a bound: a path that cannot take data raises `PathDownError` and t
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import msgspec
 import zmq
 
+from steadfast.kv.moves import curve
+from steadfast.kv.moves.curve import CurveKeys
 from steadfast.kv.moves.wire import KVFrame, ToDestination, ToSource, decode_to_source, encode
 
 
@@ -39,12 +42,20 @@ class Transport(Protocol):
 
 
 class ZmqPath:
-    """One transport path to a receiver: a DEALER socket to its ROUTER address."""
+    """One transport path to a receiver: a DEALER socket to its ROUTER address; with `keys` (the sending
+    side's), CURVE-authenticated and talking only to the deployment's receivers."""
 
-    def __init__(self, ctx: zmq.Context, name: str, address: str, send_timeout_s: float) -> None:
+    def __init__(
+        self, ctx: zmq.Context, name: str, address: str, send_timeout_s: float, keys: CurveKeys | None = None
+    ) -> None:
         self.name, self.address = name, address
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # The receiver hears a session only from the connection that opened it; a routing id of our own
+        # (random: nobody else can claim it) keeps the sessions ours across a reconnect.
+        self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+        if keys is not None:
+            curve.as_client(self.sock, keys)
         # Nothing queued for a peer that is not connected, and no send waits long: a dead receiver
         # must fail the attempt (PathDownError), never hang the sender.
         self.sock.setsockopt(zmq.IMMEDIATE, 1)

@@ -1,0 +1,58 @@
+"""Resume tokens: the secret in every SSE event id that lets only a request's own client resume it.
+
+An event id is `<request id>.<token>:<tokens held>:<characters held>`. The token is an HMAC, keyed per
+deployment, over the request id and a digest of the request body as the client sent it: a request id
+alone (seen in a log, guessed) is not enough, and neither is a valid event id sent with another body.
+The key is the launcher's, so a restarted router checks the tokens its predecessor issued; nothing
+is stored per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+TOKEN_HEX = 32  # 128 bits
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    request_id: str
+    token: str
+    have_tokens: int
+    have_chars: int
+
+
+def body_digest(body: BaseModel) -> bytes:
+    """The request as parsed, canonically: the same JSON sent twice (keys in any order) digests alike."""
+    return hashlib.sha256(body.model_dump_json().encode()).digest()
+
+
+def parse_event_id(event_id: str) -> ResumePoint:
+    """ValueError unless `event_id` has the shape this server sends."""
+    head, tokens, chars = event_id.rsplit(":", 2)
+    request_id, _, token = head.rpartition(".")
+    have_tokens, have_chars = int(tokens), int(chars)
+    if not request_id or len(token) != TOKEN_HEX or have_tokens < 0 or have_chars < 0:
+        raise ValueError(event_id)
+    return ResumePoint(request_id, token, have_tokens, have_chars)
+
+
+class ResumeSigner:
+    def __init__(self, key: bytes = b"") -> None:
+        """`key`: the deployment's; a router started on its own (tests, tools) makes a fresh one."""
+        self._key = key or secrets.token_bytes(32)
+
+    def token(self, request_id: str, digest: bytes) -> str:
+        mac = hmac.new(self._key, request_id.encode() + b"\0" + digest, hashlib.sha256)
+        return mac.hexdigest()[:TOKEN_HEX]
+
+    def event_id(self, request_id: str, token: str, have_tokens: int, have_chars: int) -> str:
+        return f"{request_id}.{token}:{have_tokens}:{have_chars}"
+
+    def valid(self, point: ResumePoint, digest: bytes) -> bool:
+        return hmac.compare_digest(point.token, self.token(point.request_id, digest))

@@ -1,0 +1,292 @@
+"""What one client sends never harms another, and nobody reads a stream that is not theirs: each finding
+of the hardening review, tried against a real server the way a hostile client would, with a victim
+stream beside it that must stay token-exact.
+
+One server (the small model, fp32, an API key, tight limits) is shared by the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.server import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+
+def post(url: str, **kwargs) -> httpx.Response:
+    return httpx.post(url, timeout=120, **kwargs)
+
+
+def get(url: str, **kwargs) -> httpx.Response:
+    return httpx.get(url, timeout=30, **kwargs)
+
+
+KEY = "sk-test-" + "k" * 24
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMITS = {"max_body_bytes": 65536, "max_messages": 16, "max_prompt_chars": 20000, "max_pending_requests": 24}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, small_model_path):
+    limits = ", ".join(f"{k}: {v}" for k, v in LIMITS.items())
+    s = ServerProcess(
+        tmp_path_factory.mktemp("hardening"),
+        "model: {dtype: float32, max_model_len: 512}\ncache: {kv_memory_mb: 64}\n"
+        f"server: {{api_key: {KEY}, standby_workers: 0, {limits}}}\n",
+        model=small_model_path,
+    )
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def body(model: str, prompt: str, max_tokens: int = 48, **extra) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+class Stream(threading.Thread):
+    """A streamed completion read event by event: its token ids, event ids and how it ended."""
+
+    def __init__(self, url: str, payload: dict, headers: dict | None = None) -> None:
+        super().__init__(daemon=True)
+        self.url, self.payload, self.headers = url, {**payload, "stream": True}, {**AUTH, **(headers or {})}
+        self.tokens: list[int] = []
+        self.event_ids: list[str] = []
+        self.errors: list[str] = []
+        self.done = False
+        self.status = 0
+
+    def run(self) -> None:
+        with httpx.stream(
+            "POST", self.url + "/v1/completions", json=self.payload, headers=self.headers, timeout=120
+        ) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    self.event_ids.append(line[4:])
+                elif line == "data: [DONE]":
+                    self.done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.errors.append(chunk["error"]["message"])
+                    else:
+                        self.tokens += chunk["choices"][0].get("token_ids", [])
+
+    def wait_events(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.event_ids) < n:
+            assert time.monotonic() < deadline and self.is_alive(), "stream made no progress"
+            time.sleep(0.01)
+
+
+def clean_tokens(server, payload: dict) -> list[int]:
+    r = post(server.url + "/v1/completions", json=payload, headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_numbers_the_engine_cannot_hold_are_refused_and_the_stream_beside_them_is_exact(server, model):
+    victim_body = body(model, "Once upon a time", 96)
+    want = clean_tokens(server, victim_body)
+    victim = Stream(server.url, victim_body)
+    victim.start()
+    victim.wait_events(3)
+    hostile = {
+        "top_k": 2**63,  # on the old main: passed validation and killed every stream of the worker
+        "seed": 2**70,
+        "stop_token_ids": [2**40],
+        "max_tokens": 2**40,
+        "n": 2**63,
+        "presence_penalty": 1e308,
+    }
+    for field, value in hostile.items():
+        r = post(server.url + "/v1/completions", json={**body(model, "Hi"), field: value}, headers=AUTH)
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"].split(".")[0] == field
+    # In range but past the vocabulary: a top_k that keeps every token, a stop id the model has not.
+    assert post(server.url + "/v1/completions", json=body(model, "Hi", top_k=10**6), headers=AUTH).status_code == 200
+    r = post(server.url + "/v1/completions", json=body(model, "Hi", stop_token_ids=[10**6]), headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    victim.join(120)
+    assert victim.done and not victim.errors and victim.tokens == want
+
+
+def test_a_request_id_alone_cannot_resume_or_stall_another_clients_stream(server, model):
+    victim_body = body(model, "The history of the printing press", 96)
+    want = clean_tokens(server, victim_body)
+    victim = Stream(server.url, victim_body)
+    victim.start()
+    victim.wait_events(4)
+    event = victim.event_ids[1]
+    request_id = event.split(":")[0].rsplit(".", 1)[0]
+    attacks = {
+        f"{request_id}:0:0": 400,  # the old form: a request id was enough
+        f"{request_id}.{'0' * 32}:0:0": 403,  # a guessed token
+        event: 403,  # the victim's real event id, with another body
+    }
+    for last_event, status in attacks.items():
+        thief = Stream(server.url, body(model, "something else", 96), {"Last-Event-ID": last_event})
+        thief.run()
+        assert thief.status == status and not thief.tokens, last_event
+    # Nothing the server lists names the request: no route hands out resumable ids.
+    for path in ("/admin/workers", "/admin/takeovers", "/metrics", "/health", "/v1/models"):
+        assert request_id not in get(server.url + path, headers=AUTH).text, path
+    victim.join(120)
+    assert victim.done and not victim.errors and victim.tokens == want
+
+
+def test_the_rightful_client_resumes_while_its_old_connection_is_still_open(server, model):
+    payload = body(model, "A recipe for bread", 120)
+    want = clean_tokens(server, payload)
+    first = Stream(server.url, payload)
+    first.start()
+    first.wait_events(10)
+    at = first.event_ids[5]
+    held = int(at.rsplit(":", 2)[1])
+    second = Stream(server.url, payload, {"Last-Event-ID": at})
+    second.run()
+    first.join(60)
+    # The old stream ends with an error event saying where it went, never stalls; the new one carries on.
+    assert not first.is_alive() and any("resumed on another connection" in e for e in first.errors)
+    assert second.done and not second.errors
+    assert first.tokens[:held] + second.tokens == want
+
+
+def test_api_key_guards_every_v1_route_and_only_those(server, model):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        assert get(server.url + "/v1/models", headers=headers).status_code == 401
+        r = post(server.url + "/v1/completions", json=body(model, "Hi"), headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert get(server.url + "/health").status_code == 200
+    assert get(server.url + "/metrics").status_code == 200
+    assert get(server.url + "/admin/workers").status_code == 200  # loopback, no admin key set
+
+
+def test_limits_answer_before_any_engine_time(server, model):
+    big = "word " * (LIMITS["max_body_bytes"] // 5 + 10)
+    r = post(server.url + "/v1/completions", json=body(model, big), headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the body is counted as it arrives
+        for _ in range(40):
+            yield b"x" * 4096
+
+    r = post(server.url + "/v1/completions", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413
+    messages = [{"role": "user", "content": "hi"}] * (LIMITS["max_messages"] + 1)
+    r = post(server.url + "/v1/chat/completions", json={"model": model, "messages": messages}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_messages"
+    r = post(server.url + "/v1/completions", json=body(model, "é" * 20001), headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long"
+    raw = json.dumps(body(model, "a \ud800 lone surrogate"))  # (escaped: httpx would not encode it)
+    r = post(server.url + "/v1/completions", content=raw, headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_pending_requests_over_the_limit_get_429_with_retry_after(server, model):
+    streams = [Stream(server.url, body(model, f"Count to {i}", 64)) for i in range(LIMITS["max_pending_requests"])]
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.wait_events(1)
+    r = post(server.url + "/v1/completions", json=body(model, "one too many"), headers=AUTH)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+    for s in streams:
+        s.join(180)
+        assert s.done and len(s.tokens) == 64
+    assert post(server.url + "/v1/completions", json=body(model, "now there is room"), headers=AUTH).status_code == 200
+
+
+def _rss_kib(pgid: int) -> int:
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            status = Path(f"/proc/{pid}/status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return total
+
+
+def hostile_requests(model: str, rng: random.Random) -> list[tuple[str, dict, bytes | None]]:
+    """(path, headers, raw body) of a few hundred malformed or hostile calls."""
+    ok = {**body(model, "Hi", 4), "ignore_eos": False}
+    fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n"]
+    odd = [None, True, -1, 0, 2**31, 2**63, -(2**64), 1e308, float("nan"), "x" * 5000, "\ud800", [], {}, [[]], [2**40]]
+    calls: list[tuple[str, dict, bytes | None]] = []
+    for _ in range(180):
+        payload = dict(ok)
+        for field in rng.sample(fields, rng.randint(1, 3)):
+            # (max_tokens: None lets a request run to the end of the context: valid, only slow)
+            payload[field] = rng.choice([v for v in odd if v is not None or field != "max_tokens"])
+        raw = json.dumps(payload, allow_nan=True).encode()
+        calls.append(("/v1/completions", AUTH, raw))
+    for _ in range(40):
+        messages = [{"role": rng.choice(["user", "system", "tool", "robot", 7]), "content": rng.choice(odd)}]
+        chat = {"model": model, "messages": messages, "max_tokens": 4}
+        calls.append(("/v1/chat/completions", AUTH, json.dumps(chat).encode()))
+    garbage = [b"", b"{", b"[]", b"null", b'{"model": ', b"\xff\xfe\x00", b'{"prompt": "' + b"a" * 70000 + b'"}']
+    calls += [("/v1/completions", AUTH, rng.choice(garbage)) for _ in range(30)]
+    calls += [("/v1/completions", {}, json.dumps(ok).encode()) for _ in range(10)]  # no key
+    for _ in range(30):  # resumes with made-up event ids
+        fake = rng.choice(["x", "a:b:c", f"cmpl-{'0' * 32}.{'f' * 32}:3:9", "::", "-1:-1:-1", "\xe9" * 300])
+        headers = {**AUTH, "Last-Event-ID": fake.encode("latin-1")}  # (bytes: httpx sends them as they are)
+        calls.append(("/v1/completions", headers, json.dumps({**ok, "stream": True}).encode()))
+    rng.shuffle(calls)
+    return calls
+
+
+def test_fuzz_leaves_eight_greedy_streams_exact_and_memory_flat(server, model):
+    prompts = [f"Story number {i}: once there was" for i in range(8)]
+    payloads = [body(model, p, 96) for p in prompts]
+    want = [clean_tokens(server, p) for p in payloads]
+    before = _rss_kib(server.proc.pid)
+    streams = [Stream(server.url, p) for p in payloads]
+    for s in streams:
+        s.start()
+    rng = random.Random(13)
+    statuses: dict[int, int] = {}
+    with httpx.Client(base_url=server.url, timeout=180) as client:
+        for i, (path, headers, raw) in enumerate(hostile_requests(model, rng)):
+            if i % 25 == 0:  # a client that sends a stream request and vanishes
+                with client.stream("POST", path, content=json.dumps({**payloads[0], "stream": True}), headers=AUTH):
+                    pass
+                continue
+            r = client.post(path, content=raw, headers={**headers, "content-type": "application/json"})
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+    assert not [s for s in statuses if s >= 500], statuses
+    for s, tokens in zip(streams, want, strict=True):
+        s.join(180)
+        assert s.done and not s.errors and s.tokens == tokens
+    for p, tokens in zip(payloads, want, strict=True):  # and the server still serves them, exactly
+        assert clean_tokens(server, p) == tokens
+    after = _rss_kib(server.proc.pid)
+    assert after <= before * 1.10, (before, after)
