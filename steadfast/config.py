@@ -234,10 +234,16 @@ class LeaseConfig:
     lease_timeout_ms: int = 5000
     # Fencing epochs: every ledger write names its epoch and a stale one is refused.
     version_check: bool = True
+    # The lease is renewed only while the worker's engine loop goes round: one silent this long (a
+    # hung step, a deadlock) lets the lease lapse, and the worker is fenced, killed and replaced.
+    # Longer than any step may take (a long prefill chunk in bf16 on a loaded CPU).
+    engine_stall_ms: int = 15000
 
     def __post_init__(self) -> None:
         if self.renew_interval_ms < 1:
             raise ConfigError("fault_recovery.lease.renew_interval_ms must be >= 1")
+        if self.engine_stall_ms < self.renew_interval_ms:
+            raise ConfigError("fault_recovery.lease.engine_stall_ms must be >= renew_interval_ms")
         if not self.version_check:
             # Without epochs a paused-then-resumed worker could overwrite its successor's KV (split brain).
             raise ConfigError("fault_recovery.lease.version_check: false is not supported; fencing is always on")

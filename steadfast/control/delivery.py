@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass, field
 
 from steadfast.protocol import AddRequest, RequestOutput
@@ -66,3 +67,5 @@ class Flight:
     add: AddRequest
     queue: asyncio.Queue[RequestOutput]
     mark: Watermark
+    # When it last moved forward (admitted, an output accepted, moved): `request_timeout` counts from it.
+    progress: float = field(default_factory=time.monotonic)

@@ -60,12 +60,14 @@ class EngineClient:
         idempotency_window_s: float = 60.0,
         ledger_urls: list[str] | tuple[str, ...] = (),
         max_in_flight: int = 128,
+        request_timeout_s: float = 60.0,
     ) -> None:
         """`workers`: (id, input address, role) of each worker. `ledger_urls`: each node's ledger,
         where a restarted router finds requests it never saw (to resume them for reconnecting clients)."""
         self.ctx = zmq.asyncio.Context()
         self.output_address = output_address
         self.status_interval_s = status_interval_s
+        self.request_timeout_s = request_timeout_s
         takeover = takeover or TakeoverConfig()
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.bind(output_address)
@@ -273,6 +275,7 @@ class EngineClient:
                 )
             if not verdict.accepted:
                 continue
+            flight.progress = time.monotonic()
             self.recovery.answered(out)
             if verdict is Verdict.FORWARD:
                 flight.queue.put_nowait(out)
@@ -332,6 +335,30 @@ class EngineClient:
                 continue  # reports are waiting unread: the silence is the router's, not the workers'
             for w in self.registry.sweep_silent(limit):
                 log.error("worker %d silent for %.1fs: no new requests until it reports", w.worker_id, limit)
+            await self._move_stalled(time.monotonic())
+
+    async def _move_stalled(self, now: float) -> None:
+        """A request that received no token for `request_timeout` moves to another worker (its own is
+        told to drop it), or fails with an error saying so when none can take it within the wait."""
+        for flight in list(self._flights.values()):
+            mark = flight.mark
+            if mark.moving or now - flight.progress < self.request_timeout_s:
+                continue
+            rid = flight.add.request_id
+            owner = self.registry.get(mark.owner)
+            log.error(
+                "request %s received no token for %.0fs on worker %d: moving it", rid, now - flight.progress, mark.owner
+            )
+            flight.progress = now
+            mark.moving = True
+            roles, node = SERVE_ROLES, ""
+            if owner is not None:
+                owner.in_flight.discard(rid)
+                await self.abort(owner, rid)
+                roles = SERVE_ROLES if owner.role in (WorkerRole.MIXED, WorkerRole.PREFILL) else DECODE_ROLES
+                node = owner.node
+            why = f"it received no token for {self.request_timeout_s:.0f}s and no other worker could take it"
+            self._spawn(self.recovery.move(flight, mark.owner, lambda rid=rid: rid in self._flights, roles, node, why))
 
     def _behind(self) -> bool:
         """Messages wait on the output socket: a starved router (niced, on a loaded machine) has not

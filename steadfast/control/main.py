@@ -39,6 +39,7 @@ async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], outpu
         cfg.fault_recovery.request.idempotency_window,
         ledger_urls,
         cfg.scheduler.max_num_seqs,
+        srv.request_timeout,
     )
     await client.start()
     ctx = ServingContext(

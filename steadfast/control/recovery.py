@@ -90,6 +90,7 @@ class Recovery:
         still_wanted: Callable[[], bool],
         roles: tuple[WorkerRole, ...] = DECODE_ROLES,
         node: str = "",
+        why: str = "its worker died and no other could take it",
     ) -> None:
         """Resume `flight` on another worker of `roles` (the first that has a ready one), of the dead
         worker's `node` if one is there; an error output when none comes within the wait."""
@@ -105,7 +106,6 @@ class Recovery:
                 return  # its client left meanwhile
             if target is None:
                 mark.moving = False
-                why = "its worker died and no other could take it"
                 flight.queue.put_nowait(RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=why))
                 return
             resume = Resume(list(mark.delivered), mark.text_chars, dead)
@@ -117,7 +117,7 @@ class Recovery:
             mark.hand_to(target.worker_id)
             target.in_flight.add(rid)
             await self._send(target, add)
-            log.warning("request %s: worker %d died, resuming on worker %d", rid, dead, target.worker_id)
+            log.warning("request %s: moved from worker %d, resuming on worker %d", rid, dead, target.worker_id)
             # Storm control: this slot stays taken until the new owner answers (or the request ends).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(record.answered.wait(), self.cfg.wait_timeout)

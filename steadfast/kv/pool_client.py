@@ -131,14 +131,22 @@ def map_arena(reply: PoolReply) -> KVArena:
 
 
 class LeaseKeeper:
-    """Renews (worker, epoch) every `renew_s` on its own ledger connection."""
+    """Renews (worker, epoch) every `renew_s` on its own ledger connection, but only while the engine's
+    loop makes progress: once the loop has beaten (`beat`), a loop silent for `stall_s` stops the
+    renewals, so a hung engine's lease lapses, its pool fences it, the supervisor kills it and its
+    requests move (a thread that renews regardless would keep a stuck engine's clients waiting for ever)."""
 
-    def __init__(self, ledger_url: str, worker: str, epoch: int, renew_s: float, ttl_s: float) -> None:
+    def __init__(
+        self, ledger_url: str, worker: str, epoch: int, renew_s: float, ttl_s: float, stall_s: float = 15.0
+    ) -> None:
         self.ledger = open_ledger(ledger_url)
         self.worker = worker
         self.epoch = epoch
         self.renew_s = renew_s
         self.ttl_s = ttl_s
+        self.stall_s = stall_s
+        self._beat: float | None = None  # the loop's last sign of progress; None before it runs
+        self.stalled = False
         # Trust the lease for less than its full term: a renewal written just before a stall still
         # leaves the ledger's expiry ahead of this local deadline.
         self.valid_until = time.monotonic() + ttl_s / 2
@@ -165,8 +173,25 @@ class LeaseKeeper:
         if time.monotonic() >= self.valid_until:
             self.renew()
 
+    def beat(self) -> None:
+        """The engine loop went round once (called by it, never by this keeper's thread)."""
+        self._beat = time.monotonic()
+        if self.stalled:
+            log.warning("engine loop of %s is making progress again", self.worker)
+            self.stalled = False
+
     def _run(self) -> None:
         while not self._stop.wait(self.renew_s):
+            beat = self._beat
+            if beat is not None and time.monotonic() - beat > self.stall_s:
+                if not self.stalled:
+                    log.error(
+                        "engine loop of %s made no progress for %.1fs: its lease is left to lapse",
+                        self.worker,
+                        time.monotonic() - beat,
+                    )
+                self.stalled = True
+                continue
             try:
                 self.renew()
             except LeaseLostError:

@@ -45,7 +45,12 @@ class LedgerSync:
         self.interval = cfg.fault_recovery.kv_cache.snapshot_interval_steps
         self.ledger = open_ledger(ledger_url)
         self.lease = LeaseKeeper(
-            ledger_url, self.worker, self.epoch, lease_cfg.renew_interval_ms / 1000, lease_cfg.lease_timeout_ms / 1000
+            ledger_url,
+            self.worker,
+            self.epoch,
+            lease_cfg.renew_interval_ms / 1000,
+            lease_cfg.lease_timeout_ms / 1000,
+            lease_cfg.engine_stall_ms / 1000,
         )
         self.lease.start()
         self._sealed_pending: dict[int, bytes] = {}  # filled, to seal: block -> its token name

@@ -19,6 +19,7 @@ import zmq
 
 from steadfast.config import Config, config_from_dict
 from steadfast.env import torch_threads, transfer_fault_source
+from steadfast.failpoints import stall
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena
 from steadfast.kv.moves import curve
@@ -97,8 +98,10 @@ class WorkerLoop:
         self._report(force=True)
         interval_ms = int(self.cfg.server.status_interval_s * 1000)
         while not self.stopping:
-            if engine.sync is not None and engine.sync.lease.lost:
-                raise LeaseLostError(engine.sync.lease.lost)
+            if engine.sync is not None:
+                if engine.sync.lease.lost:
+                    raise LeaseLostError(engine.sync.lease.lost)
+                engine.sync.lease.beat()  # the lease lives only while this loop goes round
             # Busy: no wait. Only waiting to hear how KV transfers ended: a short one. Idle: long.
             wait = (2 if engine.only_waiting_on_transfers else 0) if engine.has_work else interval_ms
             if self.inbox.poll(wait):
@@ -119,6 +122,7 @@ class WorkerLoop:
         self._report(force=True)
 
     def _step(self, engine: Engine) -> list[RequestOutput]:
+        stall(f"worker{self.worker_id}_step")  # a fault test's hung engine (a failpoint; unarmed: nothing)
         try:
             return engine.step()
         except LeaseLostError:
