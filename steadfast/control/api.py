@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from steadfast.control.engine_client import EngineDeadError
@@ -51,12 +52,42 @@ ANSWERS: dict[int | str, dict[str, Any]] = {
 }
 
 
+class WorkerHealth(BaseModel):
+    id: int
+    ready: bool
+
+
+class Health(BaseModel):
+    """What /health answers, ready (200) or not (503): its 503 is not an error body."""
+
+    status: Literal["ok", "unavailable"]
+    workers: list[WorkerHealth]
+
+
+def without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """`app.openapi` without the 422 FastAPI documents for every route with a body: validation errors are
+    answered 400 with an error body (errors.py), and a client (or schemathesis) must not expect a 422."""
+    full = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = full()  # built once, then cached by FastAPI: the removal below is idempotent
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    return openapi
+
+
 def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI:
     app = FastAPI(title="Steadfast", version="0.1.0", responses=ERROR_RESPONSES)
     app.add_middleware(Guard, cfg=guard or GuardConfig())
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.openapi = without_422(app)  # type: ignore[method-assign]
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> Response:
@@ -76,7 +107,11 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 headers={"Retry-After": "1"},
             )
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=Health,
+        responses={503: {"description": "not every part of the server is ready", "model": Health}},
+    )
     async def health() -> JSONResponse:
         workers = [{"id": w.worker_id, "ready": w.ready} for w in ctx.client.workers]
         ok = ctx.client.ready
@@ -84,7 +119,13 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
             {"status": "ok" if ok else "unavailable", "workers": workers}, status_code=200 if ok else 503
         )
 
-    @app.get("/metrics")
+    # `response_class=Response` has no media type of its own: the 200 is documented as the text it is,
+    # and the error answers keep their JSON.
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+    )
     async def metrics() -> Response:
         m = ctx.metrics
         for w in ctx.client.workers:

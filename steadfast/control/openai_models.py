@@ -11,7 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
-Number = StrictFloat | StrictInt
+# A JSON number: an int is taken (as a float), a bool or a string is not. Not `StrictFloat | StrictInt`:
+# bounds put on a union are checked but missing from the JSON schema, which then allows any number.
+Number = StrictFloat
 # Bounds on client numbers, so a value the engine cannot hold (a C long, a tensor index) is a 400 here
 # and never an error inside a step shared with other requests.
 INT32_MAX = 2**31 - 1

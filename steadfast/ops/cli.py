@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -36,6 +37,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     launcher = Launcher(cfg)
+
+    def stop_starting(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # so `finally` cleans up (children, arena folder) mid-start too
+
+    # Until `wait` installs its own handlers: a SIGTERM while starting must not skip the clean-up.
+    signal.signal(signal.SIGTERM, stop_starting)
     try:
         t0 = time.perf_counter()
         launcher.start()

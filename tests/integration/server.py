@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -78,3 +80,14 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+
+
+@contextmanager
+def serving(tmp: Path, config_yaml: str = "", model: str = "") -> Iterator[ServerProcess]:
+    """A ready server for the `with` block (a module fixture's body), stopped after it."""
+    server = ServerProcess(tmp, config_yaml, model=model)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.server import ServerProcess
+from tests.integration.server import serving
 
 pytestmark = pytest.mark.integration
 
@@ -18,12 +18,8 @@ pytestmark = pytest.mark.integration
 def server(tmp_path_factory):
     # fp32: on a CPU without AVX-512 bf16 matmuls are several times slower, and nothing here is about
     # bf16 (`test_cli` serves the default dtype end to end).
-    s = ServerProcess(tmp_path_factory.mktemp("api"), "model: {dtype: float32}\ncache: {kv_memory_mb: 256}\n")
-    try:
-        s.wait_ready()
+    with serving(tmp_path_factory.mktemp("api"), "model: {dtype: float32}\ncache: {kv_memory_mb: 256}\n") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

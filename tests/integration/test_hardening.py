@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.server import ServerProcess
+from tests.integration.server import serving
 
 pytestmark = pytest.mark.integration
 
@@ -38,17 +38,12 @@ LIMITS = {"max_body_bytes": 65536, "max_messages": 16, "max_prompt_chars": 20000
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, small_model_path):
     limits = ", ".join(f"{k}: {v}" for k, v in LIMITS.items())
-    s = ServerProcess(
-        tmp_path_factory.mktemp("hardening"),
+    cfg = (
         "model: {dtype: float32, max_model_len: 512}\ncache: {kv_memory_mb: 64}\n"
-        f"server: {{api_key: {KEY}, standby_workers: 0, {limits}}}\n",
-        model=small_model_path,
+        f"server: {{api_key: {KEY}, standby_workers: 0, {limits}}}\n"
     )
-    try:
-        s.wait_ready()
+    with serving(tmp_path_factory.mktemp("hardening"), cfg, small_model_path) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
