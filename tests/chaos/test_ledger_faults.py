@@ -61,7 +61,7 @@ def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt):
         assert ledger.request("long") is not None  # checkpoints were being written
 
         os.kill(worker.pid, signal.SIGSTOP)
-        stopped = time.monotonic()
+        stopped = time.time()  # (request rows are stamped with wall-clock time)
         fenced = wait_until(
             lambda: (lease := ledger.lease("worker0")).state == LeaseState.FENCED and lease,
             10,

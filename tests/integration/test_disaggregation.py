@@ -290,13 +290,19 @@ CROSS_CASES = [
 ]
 
 
-def test_kv_streamed_to_another_node_gives_exact_output(tmp_path, fp32_model, make_engine, monkeypatch):
+def test_kv_streamed_to_another_node_gives_exact_output(
+    tmp_path, small_model, small_model_path, make_engine, monkeypatch
+):
     """fp32, greedy and seeded: the same tokens as a mixed worker whatever the transfer went through:
     streamed layer by layer or sent after the prefill; every chunk delayed; chunks dropped and
     corrupted (resent on the same path); the primary path dead (the alternate delivers); every path
     dead (a clear error, and the decode worker computes the prompt). Both pools check clean; no block
     leaked on node B."""
-    cfg = config().replace(transfer={"timeout": "400ms", "retries": 6, "backoff": "10ms"})
+    # The small model: the same wire, layers and faults at a fraction of the compute (the reference is
+    # the in-process engine, not transformers).
+    cfg = config().replace(
+        model={"path": small_model_path}, transfer={"timeout": "400ms", "retries": 6, "backoff": "10ms"}
+    )
     nodes = TwoNodes(tmp_path, cfg)
     try:
         kv_paths = nodes.start(monkeypatch)
@@ -304,9 +310,9 @@ def test_kv_streamed_to_another_node_gives_exact_output(tmp_path, fp32_model, ma
             # Prompts of their own per case: nothing found in a prefix cache from an earlier case.
             reqs = [
                 AddRequest(f"{case}-{r.request_id}", r.prompt_ids, r.params)
-                for r in requests(fp32_model.tokenizer, f"({case}) ")[:4]
+                for r in requests(small_model.tokenizer, f"({case}) ")[:4]
             ]
-            reference = make_engine(cfg, fp32_model).generate(reqs)
+            reference = make_engine(cfg, small_model).generate(reqs)
             got, outcome = nodes.run(prefill, reqs, kv_paths, faults)
             for r in reqs:
                 rid = r.request_id

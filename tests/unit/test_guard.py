@@ -67,3 +67,46 @@ def test_tokenizing_runs_off_the_event_loop():
 
     loop_thread = asyncio.run(run())
     assert seen and loop_thread not in seen
+
+
+def test_calls_over_the_connection_limit_get_429_and_bodies_over_the_limit_413():
+    from steadfast.control.guard import Guard
+
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):  # a route that reads its body, then holds its call open
+        while (await receive()).get("more_body"):
+            pass
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = Guard(app, GuardConfig(max_connections=1, max_body_bytes=10))
+
+    async def call(chunks: list[bytes], headers: list | None = None) -> list[dict]:
+        sent: list[dict] = []
+        parts = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+        async def receive():
+            return parts.pop(0) if parts else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await guard({**scope("/v1/completions"), "headers": headers or []}, receive, send)
+        return sent
+
+    async def run() -> None:
+        first = asyncio.ensure_future(call([b"{}"]))
+        await asyncio.sleep(0.01)
+        (start, _) = await call([b"{}"])  # the one slot is taken
+        assert start["status"] == 429 and (b"retry-after", b"1") in start["headers"]
+        release.set()
+        assert (await first)[0]["status"] == 200
+        # Over the limit, whether Content-Length says so or the body only shows it as it arrives.
+        (start, _) = await call([b"x" * 11], [(b"content-length", b"11")])
+        assert start["status"] == 413
+        (start, _) = await call([b"x" * 6, b"x" * 6])
+        assert start["status"] == 413
+
+    asyncio.run(run())

@@ -13,8 +13,17 @@ from hypothesis import strategies as st
 from steadfast.config import TakeoverConfig
 from steadfast.control.delivery import Flight, Verdict, Watermark
 from steadfast.control.placement import Placement
+from steadfast.control.recovery import Recovery
 from steadfast.control.workers import WorkerRegistry
-from steadfast.protocol import AddRequest, RequestOutput, SamplingParams, WorkerRole, WorkerState, WorkerStatus
+from steadfast.protocol import (
+    AddRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    WorkerRole,
+    WorkerState,
+    WorkerStatus,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -166,5 +175,27 @@ def test_a_router_behind_on_its_inbox_does_not_call_its_workers_silent(tmp_path)
         assert not client._behind() and w.ready and time.monotonic() - w.last_seen < 5
         push.close(linger=0)
         await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_move_no_worker_takes_ends_with_the_reason_it_was_moved():
+    """A stalled request (server.request_timeout) that no other worker takes within the wait fails
+    with an error saying so: never left waiting without a word."""
+
+    async def nobody(*args):
+        return None
+
+    async def unreachable(*args):
+        raise AssertionError("nothing may be sent")
+
+    async def run():
+        recovery = Recovery(TakeoverConfig(wait_timeout=0.2), None, nobody, unreachable)  # type: ignore[arg-type]
+        f = flight(0, [5, 6])
+        f.mark.moving = True
+        why = "it received no token for 60s and no other worker could take it"
+        await recovery.move(f, 0, lambda: True, why=why)
+        out = f.queue.get_nowait()
+        assert out.finish_reason == FinishReason.ERROR and out.error == why and not f.mark.moving
 
     asyncio.run(run())
