@@ -4,6 +4,7 @@ Each `steadfast serve` keeps its arenas in `<cache.arena_dir>/steadfast-<uid>-<p
 and holds an flock on that folder for as long as it lives. The kernel drops the lock however the launcher
 ends (SIGKILL included) and no child inherits it, so a folder whose lock can be taken belongs to nobody:
 the next launcher of the same user removes it, instead of leaving a 1 GiB arena in /dev/shm per crash.
+The launcher's run folder (sockets, ledgers, wire keys) in the temp dir is one of these too.
 """
 
 from __future__ import annotations

@@ -89,7 +89,10 @@ class PoolNode:
 @dataclass
 class Launcher:
     cfg: Config
-    run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="steadfast-")))
+    # Sockets, ledgers, wire keys. Unset: a private folder in the temp dir, held like the arena folder
+    # (ArenaDir), so the next start removes it when this launcher is gone, even after a kill -9.
+    run_dir: Path = Path()
+    run_folder: ArenaDir | None = None
     children: list[Child] = field(default_factory=list)
     arenas: list[KVArena] = field(default_factory=list)  # per-worker arenas (no pool), in arena_folder
     arena_folder: ArenaDir | None = None
@@ -99,6 +102,11 @@ class Launcher:
     pool_restarts: int = 0
     next_worker_id: int = 0
     _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
+
+    def __post_init__(self) -> None:
+        if self.run_dir == Path():
+            self.run_folder = ArenaDir.create(tempfile.gettempdir())
+            self.run_dir = Path(self.run_folder.path)
 
     @property
     def url(self) -> str:
@@ -347,5 +355,7 @@ class Launcher:
         for path in self.shared_files:
             Path(path).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.run_folder is not None:
+            self.run_folder.release()
         if self.arena_folder is not None:
             self.arena_folder.release()  # every arena file of this launcher is in it
