@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.server import serving
+from tests.integration.server import ServerProcess, serving
 
 pytestmark = pytest.mark.integration
 
@@ -99,6 +99,20 @@ class Stream(threading.Thread):
             time.sleep(0.01)
 
 
+class Victim(Stream):
+    """A stream started beside an attack, with the tokens a clean run of it gives."""
+
+    def __init__(self, server: ServerProcess, payload: dict, events: int) -> None:
+        super().__init__(server.url, payload)
+        self.want = clean_tokens(server, payload)
+        self.start()
+        self.wait_events(events)
+
+    def assert_exact(self) -> None:
+        self.join(120)
+        assert self.done and not self.errors and self.tokens == self.want
+
+
 def clean_tokens(server, payload: dict) -> list[int]:
     r = post(server.url + "/v1/completions", json=payload, headers=AUTH)
     assert r.status_code == 200, r.text
@@ -107,10 +121,7 @@ def clean_tokens(server, payload: dict) -> list[int]:
 
 def test_numbers_the_engine_cannot_hold_are_refused_and_the_stream_beside_them_is_exact(server, model):
     victim_body = body(model, "Once upon a time", 96)
-    want = clean_tokens(server, victim_body)
-    victim = Stream(server.url, victim_body)
-    victim.start()
-    victim.wait_events(3)
+    victim = Victim(server, victim_body, events=3)
     hostile = {
         "top_k": 2**63,  # on the old main: passed validation and killed every stream of the worker
         "seed": 2**70,
@@ -127,16 +138,12 @@ def test_numbers_the_engine_cannot_hold_are_refused_and_the_stream_beside_them_i
     assert post(server.url + "/v1/completions", json=body(model, "Hi", top_k=10**6), headers=AUTH).status_code == 200
     r = post(server.url + "/v1/completions", json=body(model, "Hi", stop_token_ids=[10**6]), headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
-    victim.join(120)
-    assert victim.done and not victim.errors and victim.tokens == want
+    victim.assert_exact()
 
 
 def test_a_request_id_alone_cannot_resume_or_stall_another_clients_stream(server, model):
     victim_body = body(model, "The history of the printing press", 96)
-    want = clean_tokens(server, victim_body)
-    victim = Stream(server.url, victim_body)
-    victim.start()
-    victim.wait_events(4)
+    victim = Victim(server, victim_body, events=4)
     event = victim.event_ids[1]
     request_id = event.split(":")[0].rsplit(".", 1)[0]
     attacks = {
@@ -151,8 +158,7 @@ def test_a_request_id_alone_cannot_resume_or_stall_another_clients_stream(server
     # Nothing the server lists names the request: no route hands out resumable ids.
     for path in ("/admin/workers", "/admin/takeovers", "/metrics", "/health", "/v1/models"):
         assert request_id not in get(server.url + path, headers=AUTH).text, path
-    victim.join(120)
-    assert victim.done and not victim.errors and victim.tokens == want
+    victim.assert_exact()
 
 
 def test_the_rightful_client_resumes_while_its_old_connection_is_still_open(server, model):
