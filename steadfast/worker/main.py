@@ -60,6 +60,7 @@ class WorkerLoop:
         self.engine: Engine | None = None
         self.node = ""  # the node's pool address: workers sharing it hand KV over in place
         self.stopping = False
+        self._failpoint = f"worker{worker_id}_step"
         self._last_status = 0.0
         self._last_counts = (0, 0.0, 0)  # engine steps, step seconds, step tokens at the last report
 
@@ -122,7 +123,7 @@ class WorkerLoop:
         self._report(force=True)
 
     def _step(self, engine: Engine) -> list[RequestOutput]:
-        stall(f"worker{self.worker_id}_step")  # a fault test's hung engine (a failpoint; unarmed: nothing)
+        stall(self._failpoint)  # a fault test's hung engine (unarmed: one lookup)
         try:
             return engine.step()
         except LeaseLostError:

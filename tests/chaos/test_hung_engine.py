@@ -19,20 +19,30 @@ TOKENS = 96
 HANG_AT_STEP = 30
 
 
+def greedy_reference(small_config, small_model, make_engine, prompt: str, max_tokens: int) -> list[int]:
+    """The tokens the in-process engine gives for `prompt`, greedy: what the client must receive."""
+    ids = small_model.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reference = make_engine(small_config, small_model).generate([AddRequest("ref", ids, params)])["ref"]
+    return [t for out in reference for t in out.token_ids]
+
+
+def arm(monkeypatch, tmp_path, spec: str):
+    """Arm STEADFAST_FAILPOINTS for the server started next; the folder where a reached one leaves its mark."""
+    marks = tmp_path / "failpoints"
+    marks.mkdir()
+    monkeypatch.setenv("STEADFAST_FAILPOINTS", spec)
+    monkeypatch.setenv("STEADFAST_FAILPOINT_DIR", str(marks))
+    return marks
+
+
 def test_a_hung_engine_loop_lets_its_lease_lapse_and_the_stream_moves(
     tmp_path, monkeypatch, small_model_path, small_config, small_model, make_engine
 ):
     prompt = "The lighthouse keeper wrote in his log"
-    ids = small_model.tokenizer.encode(prompt)
-    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-    reference = make_engine(small_config, small_model).generate([AddRequest("ref", ids, params)])["ref"]
-    want = [t for out in reference for t in out.token_ids]
-
-    marks = tmp_path / "failpoints"
-    marks.mkdir()
+    want = greedy_reference(small_config, small_model, make_engine, prompt, TOKENS)
     # Worker 0's loop stops at its 30th step for two minutes: alive, lease thread and all, but stuck.
-    monkeypatch.setenv("STEADFAST_FAILPOINTS", f"worker0_step=120@{HANG_AT_STEP}")
-    monkeypatch.setenv("STEADFAST_FAILPOINT_DIR", str(marks))
+    marks = arm(monkeypatch, tmp_path, f"worker0_step=120@{HANG_AT_STEP}")
     cfg = (
         "model: {dtype: float32, device: cpu}\n"
         "cache: {kv_memory_mb: 64}\n"
@@ -68,14 +78,8 @@ def test_a_request_without_a_token_for_request_timeout_moves_to_the_standby(
     the router moves the request to the standby. (With none, the error it ends with is
     `test_router_delivery.py`'s.)"""
     prompt = "A short history of clocks"
-    ids = small_model.tokenizer.encode(prompt)
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    reference = make_engine(small_config, small_model).generate([AddRequest("ref", ids, params)])["ref"]
-    want = [t for out in reference for t in out.token_ids]
-    marks = tmp_path / "failpoints"
-    marks.mkdir()
-    monkeypatch.setenv("STEADFAST_FAILPOINTS", "worker0_step=10@12")
-    monkeypatch.setenv("STEADFAST_FAILPOINT_DIR", str(marks))
+    want = greedy_reference(small_config, small_model, make_engine, prompt, 48)
+    marks = arm(monkeypatch, tmp_path, "worker0_step=10@12")
     cfg = (
         "model: {dtype: float32, device: cpu}\n"
         "cache: {kv_memory_mb: 64}\n"
