@@ -177,6 +177,9 @@ class ServerConfig:
     max_connections: int = 2048
     # A request that receives no token for this long is moved to another worker, or failed.
     request_timeout: float = field(default=60.0, metadata={"duration": True})
+    # SIGTERM / Ctrl-C to `steadfast serve`: new requests are refused (503) and those in flight get this
+    # long to finish; the rest then end with an error event saying the server shut down.
+    shutdown_timeout: float = field(default=30.0, metadata={"duration": True})
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_messages", "max_prompt_chars", "max_pending_requests", "max_connections"):
@@ -184,6 +187,8 @@ class ServerConfig:
                 raise ConfigError(f"server.{name} must be >= 1")
         if self.request_timeout <= 0:
             raise ConfigError("server.request_timeout must be positive")
+        if self.shutdown_timeout < 0:
+            raise ConfigError("server.shutdown_timeout must be >= 0")
         if not 0 <= self.port < 65536:
             raise ConfigError("server.port must be in 0..65535")
         if self.standby_workers < 0:
@@ -357,6 +362,28 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class MigrationConfig:
+    """Moving a running request to another worker (drain, rollout, an operator's `migrate`)."""
+
+    # Migrations in progress at once (each holds a reservation on its destination until it commits).
+    max_concurrent: int = 4
+    # Across nodes: copy stages of sealed blocks while the request keeps decoding, before the final
+    # stop-and-copy (stage k sends what was sealed since stage k-1).
+    max_stages: int = 4
+    # Across nodes: stop copying in stages once at most this many blocks remain unsent; the final stage
+    # then pauses the request and sends them with the partial block.
+    final_stage_blocks: int = 2
+    # A migration not committed within this long is aborted; the request keeps running where it was.
+    timeout: float = field(default=10.0, metadata={"duration": True})
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1 or self.max_stages < 0 or self.final_stage_blocks < 0:
+            raise ConfigError("migration.max_concurrent must be >= 1, max_stages and final_stage_blocks >= 0")
+        if self.timeout <= 0:
+            raise ConfigError("migration.timeout must be positive")
+
+
+@dataclass(frozen=True)
 class FaultRecoveryConfig:
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     kv_cache: LedgerConfig = field(default_factory=LedgerConfig)
@@ -372,6 +399,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     fault_recovery: FaultRecoveryConfig = field(default_factory=FaultRecoveryConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
 
     def __post_init__(self) -> None:
         if self.server.prefill_workers and not self.fault_recovery.kv_cache.external_ledger:

@@ -99,6 +99,15 @@ class EngineClient:
         """Requests admitted and not finished (their streams still open)."""
         return len(self._flights)
 
+    def end_all(self, why: str) -> int:
+        """End every stream in flight with an error event saying `why` (shutdown past its timeout); the
+        requests are aborted on their workers as each stream closes. Returns how many were ended."""
+        flights = list(self._flights.values())
+        for flight in flights:
+            rid = flight.add.request_id
+            flight.queue.put_nowait(RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=why))
+        return len(flights)
+
     def _add_worker(self, worker_id: int, address: str, role: WorkerRole) -> WorkerHandle:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
