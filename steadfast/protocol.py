@@ -1,7 +1,7 @@
 """Messages between the router and workers: msgspec structs, tagged, array-like; no pickle on the wire.
 
-Router → worker: AddRequest, AbortRequest. Worker → router: StepOutputs, WorkerStatus. Supervisor →
-router (on the same socket as workers' outputs): WorkerDied, WorkerJoined.
+Router → worker: AddRequest, AbortRequest, Promote, Migrate, Retire. Worker → router: StepOutputs,
+WorkerStatus. Supervisor → router (on the same socket as workers' outputs): WorkerDied, WorkerJoined.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Route(enum.StrEnum):
     REBUILD = "rebuild"  # prompt and delivered tokens computed again
     HANDOFF = "handoff"  # KV handed over in the ledger by a prefill worker of this node
     TRANSFER = "transfer"  # KV streamed from a prefill worker of another node
+    MIGRATED = "migrated"  # a running request moved here from another worker, with its KV
 
 
 class Fallback(enum.StrEnum):
@@ -99,6 +100,10 @@ class Handoff(msgspec.Struct, array_like=True, omit_defaults=True):
     bytes: int = 0
     fallback: Fallback = Fallback.NONE
     stream_seconds: float = 0.0  # first chunk sent → acknowledged (layer-wise: paced by the prefill)
+    # A live migration's (the router's Migrate): its move name; empty for a prefill → decode handoff.
+    migration: str = ""
+    paused_at: float = 0.0  # CLOCK_MONOTONIC when the request last ran at the source (its downtime starts)
+    stages: int = 0  # copy stages sent while the request kept running (across nodes)
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
@@ -118,6 +123,27 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
+
+
+class Migrate(msgspec.Struct, tag="migrate", array_like=True, omit_defaults=True):
+    """Move this running request, with its KV, to `to_worker`. On its node the blocks change owner in
+    the ledger; with `kv_paths` (the destination's receiver, another node) they are copied in stages
+    while it keeps decoding, then it pauses for the last copy. The answer is an output whose `handoff`
+    names the migration: where the KV went, or why it stayed (the request then goes on here)."""
+
+    request_id: str
+    to_worker: int
+    move: str  # the move's name, unique per migration: its decision is recorded once
+    kv_paths: list[str] = []
+    max_stages: int = 4
+    final_stage_blocks: int = 2
+
+
+class Retire(msgspec.Struct, tag="retire", array_like=True):
+    """The worker's requests were moved away (a drain): exit once none is left, with code 0, which the
+    supervisor takes as a planned stop (it starts no replacement)."""
+
+    reason: str = ""
 
 
 class Promote(msgspec.Struct, tag="promote", array_like=True):
@@ -140,6 +166,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     adopted_tokens: int = 0  # tokens whose KV was adopted from the dead worker's sealed blocks
     recomputed_tokens: int = 0  # tokens whose KV had to be computed again
     handoff: Handoff | None = None  # from a prefill worker, with the first token: where the KV went
+    resumed_at: float = 0.0  # a migrated request's first output: CLOCK_MONOTONIC of the step it ran in
 
 
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):
@@ -179,7 +206,7 @@ class WorkerJoined(msgspec.Struct, tag="joined", array_like=True):
     role: WorkerRole
 
 
-ToWorker = AddRequest | AbortRequest | Promote
+ToWorker = AddRequest | AbortRequest | Promote | Migrate | Retire
 FromWorker = StepOutputs | WorkerStatus | WorkerDied | WorkerJoined
 
 _encoder = msgspec.msgpack.Encoder()
@@ -191,7 +218,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_worker(data: bytes) -> AddRequest | AbortRequest | Promote:
+def decode_to_worker(data: bytes) -> AddRequest | AbortRequest | Promote | Migrate | Retire:
     return _to_worker.decode(data)
 
 

@@ -7,7 +7,6 @@ the client can see; a client that goes away aborts its request on the worker.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -19,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from steadfast.control.admin_moves import add_migration_routes
 from steadfast.control.engine_client import EngineDeadError
 from steadfast.control.errors import (
     APIError,
@@ -31,6 +31,7 @@ from steadfast.control.guard import Guard, GuardConfig
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.serving import ServingContext, check_model, prepare
 from steadfast.control.streams import respond, stream_chat, stream_completion
+from steadfast.control.tags import request_tag
 
 # What every route may answer besides its 200, documented so clients (and schemathesis) know it.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -136,6 +137,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 m.waiting.labels(label).set(w.status.num_waiting)
                 m.kv_used.labels(label).set(w.status.kv_blocks_used)
                 m.kv_free.labels(label).set(w.status.kv_blocks_total - w.status.kv_blocks_used)
+        m.migration_mismatches.set(ctx.client.migrations.mismatches)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/workers")
@@ -149,6 +151,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "role": w.role,
                     "pid": s.pid if s else None,
                     "state": "dead" if w.dead else (s.state if s else "starting"),
+                    "draining": w.draining,
                     "node": w.node,  # its kvpool's address: workers of one node hand KV over in place
                     "kv_blocks_used": s.kv_blocks_used if s else 0,
                     "kv_blocks_total": s.kv_blocks_total if s else 0,
@@ -161,6 +164,8 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 }
             )
         return rows
+
+    add_migration_routes(app, ctx)
 
     @app.get("/admin/takeovers")
     async def admin_takeovers() -> list[dict[str, Any]]:
@@ -266,8 +271,3 @@ async def tokenized(ctx: ServingContext, param: str, encode: Callable[[Any], lis
     except Exception as exc:
         where = "chat template" if param == "messages" else "tokenizer"
         raise APIError(f"The {where} rejected this {param}: {exc}", param=param) from exc
-
-
-def request_tag(request_id: str) -> str:
-    """A short name for a request in admin views and logs that cannot be turned back into its id."""
-    return hashlib.sha256(request_id.encode()).hexdigest()[:12]

@@ -23,6 +23,8 @@ class Verdict(enum.Enum):
     NOT_OWNER = "not_owner"  # from a worker that does not own the request (dead, fenced, handed off)
     MOVING = "moving"  # being taken over: no owner answers for it right now
     DUPLICATE = "duplicate"  # an index the client has already
+    LATE = "late"  # from the owner before a migration, a token the client has from the new one, the same
+    MISMATCH = "mismatch"  # ...and a different token: sampling is not reproducible (counted, never sent)
     GAP = "gap"  # an index past the next one: never forwarded out of order
 
     @property
@@ -37,10 +39,14 @@ class Watermark:
     text_chars: int = 0  # characters of text the client has
     moving: bool = False
     skip_until: int = 0  # the client already holds tokens below this index: regenerated, not resent
+    previous: int = -1  # the owner before the last handoff or migration
 
     def accept(self, out: RequestOutput, from_worker: int) -> Verdict:
         """Judge one output of worker `from_worker`, advancing the watermark when it is accepted."""
         if from_worker != self.owner:
+            if from_worker == self.previous and out.token_ids and out.index < len(self.delivered):
+                same = self.delivered[out.index : out.index + len(out.token_ids)] == out.token_ids
+                return Verdict.LATE if same else Verdict.MISMATCH
             return Verdict.NOT_OWNER
         if self.moving:
             return Verdict.MOVING
@@ -56,7 +62,7 @@ class Watermark:
 
     def hand_to(self, worker_id: int) -> None:
         """The request has a new owner: only its outputs count from now on, from the same index."""
-        self.owner = worker_id
+        self.previous, self.owner = self.owner, worker_id
         self.moving = False
 
 

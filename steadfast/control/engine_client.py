@@ -21,8 +21,15 @@ import zmq
 import zmq.asyncio
 
 from steadfast import protocol
-from steadfast.config import TakeoverConfig
+from steadfast.config import MigrationConfig, TakeoverConfig
 from steadfast.control.delivery import Flight, Verdict, Watermark
+from steadfast.control.migration import (
+    MIGRATION_ROLES,
+    MigrationError,
+    MigrationReason,
+    MigrationRecord,
+    Migrations,
+)
 from steadfast.control.placement import DECODE_ROLES, SERVE_ROLES, Placement
 from steadfast.control.recovery import Recovery, Takeover
 from steadfast.control.resume import Resumption
@@ -33,13 +40,17 @@ from steadfast.protocol import (
     Fallback,
     FinishReason,
     Handoff,
+    Migrate,
     Promote,
     RequestOutput,
     Resume,
+    Retire,
+    Route,
     StepOutputs,
     WorkerDied,
     WorkerJoined,
     WorkerRole,
+    WorkerState,
     WorkerStatus,
 )
 
@@ -61,6 +72,8 @@ class EngineClient:
         ledger_urls: list[str] | tuple[str, ...] = (),
         max_in_flight: int = 128,
         request_timeout_s: float = 60.0,
+        migration: MigrationConfig | None = None,
+        block_size: int = 16,
     ) -> None:
         """`workers`: (id, input address, role) of each worker. `ledger_urls`: each node's ledger,
         where a restarted router finds requests it never saw (to resume them for reconnecting clients)."""
@@ -80,7 +93,10 @@ class EngineClient:
         self.resumption_records = Resumption(idempotency_window_s, ledger_urls)
         self._flights: dict[str, Flight] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.migrations = Migrations(migration or MigrationConfig(), self.registry, block_size)
+        self._drains: dict[int, asyncio.Task[None]] = {}
         self.on_handoff: Callable[[Handoff], None] | None = None  # metrics hook
+        self.on_migration: Callable[[MigrationRecord], None] | None = None  # metrics hook: one that ended
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -214,6 +230,7 @@ class EngineClient:
             # Unless a reconnect already took the request over (and stopped this run of it).
             if self._flights.get(rid) is flight:
                 del self._flights[rid]
+                self._ended(self.migrations.finished(rid))
                 self.resumption_records.retire(flight)
                 owner = self.registry.get(mark.owner)
                 if owner is not None:
@@ -258,11 +275,16 @@ class EngineClient:
         if isinstance(msg, StepOutputs):
             await self._deliver(msg)
         elif isinstance(msg, WorkerStatus):
-            self.registry.observe(msg)  # (ignored from a worker already declared dead, or not announced)
+            w = self.registry.observe(msg)  # (ignored from a worker already declared dead, or not announced)
+            if w is not None and msg.state == WorkerState.STOPPING and not self.draining(w.worker_id):
+                self.drain(w.worker_id)  # it was told to stop (SIGTERM): its requests move first
         elif isinstance(msg, WorkerDied):
             w = self.registry.get(msg.worker_id)
             if w is not None and not w.dead:
-                log.error("worker %d (pid %d) died with code %d", msg.worker_id, msg.pid, msg.exit_code)
+                if msg.exit_code == 0:
+                    log.info("worker %d (pid %d) retired", msg.worker_id, msg.pid)
+                else:
+                    log.error("worker %d (pid %d) died with code %d", msg.worker_id, msg.pid, msg.exit_code)
                 await self._lost(w)
         elif self.registry.get(msg.worker_id) is None:  # WorkerJoined
             log.info("worker %d joined as %s at %s", msg.worker_id, msg.role, msg.address)
@@ -274,7 +296,13 @@ class EngineClient:
             flight = self._flights.get(out.request_id)
             if flight is None:
                 continue  # finished or aborted
+            if out.handoff is not None and out.handoff.migration:
+                await self._migrated(flight, msg.worker_id, out.handoff)
+                continue
             verdict = flight.mark.accept(out, msg.worker_id)
+            if verdict is Verdict.MISMATCH:
+                self.migrations.mismatches += 1
+                log.error("request %s: token %d differs between its old and new owner", out.request_id, out.index)
             if verdict in (Verdict.DUPLICATE, Verdict.GAP):
                 log.warning(
                     "request %s: dropped output at index %d, client has %d tokens",
@@ -286,6 +314,8 @@ class EngineClient:
                 continue
             flight.progress = time.monotonic()
             self.recovery.answered(out)
+            if out.route is Route.MIGRATED:
+                self._ended(self.migrations.resumed(out.request_id, out.resumed_at, flight.progress))
             if verdict is Verdict.FORWARD:
                 flight.queue.put_nowait(out)
             if out.handoff is not None and out.finish_reason is None:
@@ -307,6 +337,11 @@ class EngineClient:
             return
         if h.error:  # every transfer path failed: the decode worker computes the prompt itself
             log.warning("request %s: KV transfer to %d failed (%s); it recomputes", rid, h.to_worker, h.error)
+        await self._switch(flight, from_worker, h)
+
+    async def _switch(self, flight: Flight, from_worker: int, h: Handoff) -> None:
+        """The KV is `h.to_worker`'s now (or must be recomputed there): deliver from it from the watermark on."""
+        rid = flight.add.request_id
         source = self.registry.get(from_worker)
         if source is not None:
             source.in_flight.discard(rid)
@@ -324,6 +359,106 @@ class EngineClient:
         )
         # Awaited here, before the next message is handled, so an abort of this request cannot overtake it.
         await self._send(target, handed)
+
+    # --- migration -----------------------------------------------------------------------------
+    def find(self, key: str) -> Flight | None:
+        """A request in flight by its id."""
+        return self._flights.get(key)
+
+    async def migrate(
+        self, request_id: str, to: int | None = None, reason: MigrationReason = MigrationReason.OPERATOR
+    ) -> MigrationRecord:
+        """Ask a running request's worker to move it to worker `to` (None: the policy's target). Raises
+        MigrationError (with the status an operator's call gets) when it cannot start."""
+        flight = self._flights.get(request_id)
+        if flight is None:
+            raise MigrationError(f"no request {request_id} is in flight", 404)
+        mark = flight.mark
+        source = self.registry.get(mark.owner)
+        if mark.moving or source is None or source.dead:
+            raise MigrationError(f"request {request_id} is being recovered from a dead worker", 409)
+        if self.migrations.active(request_id) is not None:
+            raise MigrationError(f"request {request_id} is migrating already", 409)
+        if to is None:
+            target = self.migrations.target(flight, source)
+            if target is None:
+                raise MigrationError(f"no other worker can take request {request_id} (ready, with room)", 409)
+        else:
+            target = self.registry.get(to)
+            if target is None or target.worker_id not in {w.worker_id for w in self.registry.live()}:
+                raise MigrationError(f"worker {to} is not ready to take requests", 409)
+            if target.worker_id == source.worker_id:
+                raise MigrationError(f"request {request_id} runs on worker {to} already", 409)
+            if target.role not in MIGRATION_ROLES:
+                raise MigrationError(f"worker {to} is a {target.role} worker: it does not decode", 409)
+        paths: list[str] = []
+        if target.node != source.node:
+            paths = list(target.status.kv_addresses) if target.status is not None else []
+            if not paths:
+                raise MigrationError(f"worker {target.worker_id} is on another node and receives no KV", 409)
+        record = self.migrations.begin(flight, source.worker_id, target.worker_id, reason)
+        cfg = self.migrations.cfg
+        ask = Migrate(request_id, target.worker_id, record.move, paths, cfg.max_stages, cfg.final_stage_blocks)
+        if not await self._send(source, ask):
+            self._ended(self.migrations.answered(request_id, Handoff(target.worker_id, error="not sent"), 0.0))
+        return record
+
+    async def migrate_and_wait(self, request_id: str, to: int | None, timeout_s: float) -> MigrationRecord:
+        """An operator's migration: started, then awaited until it commits, aborts or `timeout_s` passes."""
+        record = await self.migrate(request_id, to)
+        deadline = time.monotonic() + timeout_s
+        while not record.done and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return record
+
+    async def _migrated(self, flight: Flight, from_worker: int, h: Handoff) -> None:
+        """The source's answer to a Migrate: the KV went (deliver from the destination on), or it stayed."""
+        rid = flight.add.request_id
+        record = self.migrations.answered(rid, h, flight.progress)
+        if from_worker != flight.mark.owner or flight.mark.moving:
+            return  # no longer its request (recovered meanwhile): nothing moved that counts
+        if h.error:
+            log.info("request %s: not migrated from %d to %d (%s)", rid, from_worker, h.to_worker, h.error)
+            self._ended(record)
+            return
+        log.info(
+            "request %s migrated from %d to %d at token %d", rid, from_worker, h.to_worker, len(flight.mark.delivered)
+        )
+        await self._switch(flight, from_worker, h)
+
+    def _ended(self, record: MigrationRecord | None) -> None:
+        if record is not None and record.done and self.on_migration is not None:
+            self.on_migration(record)
+
+    def draining(self, worker_id: int) -> bool:
+        task = self._drains.get(worker_id)
+        return task is not None and not task.done()
+
+    def drain(self, worker_id: int) -> None:
+        """Take worker `worker_id` out of placement, migrate every request on it away (those not movable
+        yet are asked again, the ones nobody can take finish there), then tell it to retire."""
+        w = self.registry.get(worker_id)
+        if w is None or w.dead:
+            raise MigrationError(f"no worker {worker_id} is alive", 404)
+        w.draining = True
+        if not self.draining(worker_id):
+            self._drains[worker_id] = asyncio.ensure_future(self._drain(w))
+
+    async def _drain(self, w: WorkerHandle) -> None:
+        log.warning("draining worker %d: its requests migrate to other workers", w.worker_id)
+        t0 = time.monotonic()
+        while not w.dead:
+            owned = [f for f in self._flights.values() if f.mark.owner == w.worker_id and not f.mark.moving]
+            if not owned:
+                log.warning("worker %d drained in %.1fs; it retires", w.worker_id, time.monotonic() - t0)
+                await self._send(w, Retire("drained"))
+                return
+            for flight in self.migrations.victims(owned)[: self.migrations.slots]:
+                rid = flight.add.request_id
+                if self.migrations.active(rid) is None:
+                    with contextlib.suppress(MigrationError):  # none can take it now: asked again soon
+                        await self.migrate(rid, None, MigrationReason.DRAIN)
+            await asyncio.sleep(0.05)
 
     # --- failure -------------------------------------------------------------------------------
     def _spawn(self, coro: object) -> None:
@@ -380,6 +515,8 @@ class EngineClient:
     async def _lost(self, w: WorkerHandle) -> None:
         """Stop listening to a worker and move each of its requests, high priority first."""
         w.liveness = Liveness.DEAD
+        for record in self.migrations.lost(w.worker_id, f"worker {w.worker_id} died"):
+            self._ended(record)
         role, node = w.role, w.node
         moving = sorted(
             (f for f in self._flights.values() if f.mark.owner == w.worker_id), key=lambda f: f.add.priority

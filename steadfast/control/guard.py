@@ -3,7 +3,8 @@
 An ASGI middleware in front of every route, so a refused call costs no parsing and no engine time:
 keys are compared in constant time, a body is cut off at its limit while it arrives (a client that lies
 in Content-Length, or sends none, gets the same 413), and a call over the connection limit is answered
-429 with Retry-After before anything else runs.
+429 with Retry-After before anything else runs. While the router stops (`Shutdown`), every new /v1 call
+is answered 503 and /health says not ready; the calls let through before go on.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from steadfast.control.errors import APIError
+from steadfast.control.shutdown import Shutdown
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -34,6 +36,7 @@ class GuardConfig:
     open_metrics: bool = True
     max_body_bytes: int = 4 * 2**20
     max_connections: int = 2048
+    shutdown: Shutdown = field(default_factory=Shutdown)  # the router's own, changed by its stop
 
 
 class BodyTooLarge(Exception):
@@ -83,6 +86,14 @@ def refusal(scope: Scope, cfg: GuardConfig) -> APIError | None:
     if cfg.api_key and not _same(token, cfg.api_key):
         message = "Incorrect API key provided." if token else "You didn't provide an API key (Authorization: Bearer)."
         return APIError(message, 401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    if path.startswith("/v1") and cfg.shutdown.refusing:
+        return APIError(
+            "the server is shutting down",
+            503,
+            type_="service_unavailable",
+            code="shutting_down",
+            headers={"Retry-After": "1"},
+        )
     return None
 
 
@@ -110,11 +121,18 @@ class Guard:
         if refused is not None:
             await _answer(send, refused)
             return
+        if scope.get("path") == "/health" and self.cfg.shutdown.refusing:
+            # Not ready any more: a balancer stops sending here (the body is /health's own shape).
+            await _answer_json(send, 503, {"status": "unavailable", "workers": []})
+            return
+        counted = int(scope.get("path", "").startswith("/v1"))
         self.active += 1
+        self.cfg.shutdown.calls += counted
         try:
             await self._serve(scope, receive, send)
         finally:
             self.active -= 1
+            self.cfg.shutdown.calls -= counted
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -168,8 +186,12 @@ class Guard:
 
 
 async def _answer(send: Send, error: APIError) -> None:
-    body = msgspec.json.encode(error.body())
+    await _answer_json(send, error.status, error.body(), error.headers)
+
+
+async def _answer_json(send: Send, status: int, content: Any, extra: dict[str, str] | None = None) -> None:
+    body = msgspec.json.encode(content)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

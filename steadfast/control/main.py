@@ -1,9 +1,11 @@
-"""The router process: loads the tokenizer, connects to the workers, serves HTTP with uvicorn."""
+"""The router process: loads the tokenizer, connects to the workers, serves HTTP with uvicorn; on SIGTERM
+it stops admitting, lets its streams finish (control/shutdown.py) and exits 0."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +20,7 @@ from steadfast.control.guard import GuardConfig
 from steadfast.control.metrics import Metrics
 from steadfast.control.resume_token import ResumeSigner
 from steadfast.control.serving import Limits, ServingContext
+from steadfast.control.shutdown import GracefulServer, Shutdown
 from steadfast.ipc import die_with_parent, setup_logging
 from steadfast.model.gguf_meta import max_model_len, open_gguf, read_config
 from steadfast.model.tokenizer import GGUFTokenizer
@@ -40,6 +43,8 @@ async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], outpu
         ledger_urls,
         cfg.scheduler.max_num_seqs,
         srv.request_timeout,
+        cfg.migration,
+        cfg.cache.block_size,
     )
     await client.start()
     ctx = ServingContext(
@@ -53,20 +58,29 @@ async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], outpu
         limits=Limits(srv.max_messages, srv.max_prompt_chars, srv.max_pending_requests),
     )
     client.on_handoff = ctx.metrics.handoff
-    guard = GuardConfig(srv.api_key, srv.admin_api_key, srv.open_metrics, srv.max_body_bytes, srv.max_connections)
+    client.on_migration = ctx.metrics.migration
+    shutdown = Shutdown()
+    guard = GuardConfig(
+        srv.api_key, srv.admin_api_key, srv.open_metrics, srv.max_body_bytes, srv.max_connections, shutdown
+    )
     app = create_app(ctx, guard)
     if cfg.server.router_nice:
         # Only now: a router restarted on a loaded machine must come up at full priority, because its
         # clients are waiting to resume; serving, it yields the CPU to the workers.
         os.nice(cfg.server.router_nice)
-    server = uvicorn.Server(
+    server = GracefulServer(
         uvicorn.Config(
             app, host=cfg.server.host, port=cfg.server.port, log_level="warning", timeout_graceful_shutdown=5
-        )
+        ),
+        shutdown,
     )
+    drain = asyncio.create_task(shutdown.drain(client, server, srv.shutdown_timeout))
     try:
         await server.serve()
     finally:
+        drain.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await drain
         await client.close()
 
 

@@ -7,6 +7,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from steadfast.control.migration import MigrationRecord
 from steadfast.protocol import Handoff
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -87,6 +88,29 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.migrations = Counter(
+            "steadfast_migrations", "Live migrations ended, by outcome and path", ["outcome", "path"], registry=r
+        )
+        self.migration_downtime = Histogram(
+            "steadfast_migration_downtime_seconds",
+            "A migrated request's time in no running batch (source's last step to the destination's first)",
+            ["path"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.migration_gap = Histogram(
+            "steadfast_migration_gap_seconds",
+            "The client's pause across a migration (last token from the source to the first from the destination)",
+            ["path"],
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.migration_bytes = Counter("steadfast_migration_bytes", "KV bytes copied by migrations", registry=r)
+        self.migration_mismatches = Gauge(
+            "steadfast_migration_token_mismatches",
+            "Tokens both the old and the new owner of a migrated request produced, differently (should be 0)",
+            registry=r,
+        )
         self._window: deque[tuple[float, int]] = deque()
         self.queue_depth.set_function(lambda: self._awaiting_first)
         self.tokens_per_second.set_function(self._rate)
@@ -111,6 +135,16 @@ class Metrics:
             self.kv_transfer_fallbacks.labels(path).inc(h.fallbacks)
             if not h.error and h.stream_seconds > 0:
                 self.kv_transfer_bandwidth.labels(path).observe(h.bytes / h.stream_seconds)
+
+    def migration(self, record: MigrationRecord) -> None:
+        """One migration ended (committed, aborted, or lost to a death)."""
+        path = record.path or "none"
+        self.migrations.labels(record.outcome, path).inc()
+        self.migration_bytes.inc(record.bytes)
+        if record.downtime_s is not None:
+            self.migration_downtime.labels(path).observe(record.downtime_s)
+        if record.gap_s is not None:
+            self.migration_gap.labels(path).observe(record.gap_s)
 
     def request_started(self) -> None:
         self._awaiting_first += 1

@@ -34,6 +34,7 @@ class WorkerHandle:
     liveness: Liveness = Liveness.ALIVE
     promoted_at: float | None = None  # when a standby started taking traffic (its warm-up ramp)
     in_flight: set[str] = field(default_factory=set)
+    draining: bool = False  # its requests are being migrated away: it takes nothing new
 
     @property
     def status(self) -> WorkerStatus | None:
@@ -47,6 +48,12 @@ class WorkerHandle:
     def ready(self) -> bool:
         s = self.status
         return self.liveness is Liveness.ALIVE and s is not None and s.state == WorkerState.READY
+
+    @property
+    def leaving(self) -> bool:
+        """Drained, or stopping by itself (SIGTERM): it takes nothing new, and /health does not wait for it."""
+        s = self.status
+        return self.draining or (s is not None and s.state == WorkerState.STOPPING)
 
     @property
     def active(self) -> bool:
@@ -129,11 +136,12 @@ class WorkerRegistry:
     @property
     def ready(self) -> bool:
         """Every worker taking traffic is ready, and there is at least one (standbys may be loading)."""
-        active = [w for w in self._workers.values() if w.active and not w.dead]
+        active = [w for w in self._workers.values() if w.active and not w.dead and not w.leaving]
         return bool(active) and all(w.ready for w in active)
 
     def live(self, exclude: int = -1) -> list[WorkerHandle]:
-        return [w for w in self._workers.values() if w.ready and w.worker_id != exclude]
+        """Ready workers that may take a request (a draining one may not)."""
+        return [w for w in self._workers.values() if w.ready and not w.draining and w.worker_id != exclude]
 
     def has_role(self, role: WorkerRole) -> bool:
         return any(w.role == role and w.ready for w in self._workers.values())

@@ -41,8 +41,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def stop_starting(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # so `finally` cleans up (children, arena folder) mid-start too
 
-    # Until `wait` installs its own handlers: a SIGTERM while starting must not skip the clean-up.
+    # Until `wait` installs its own handlers: a SIGTERM (or Ctrl-C) while starting must not skip the
+    # clean-up; once serving, it stops the server in order (`wait`, then `stop`) and the exit is 0.
     signal.signal(signal.SIGTERM, stop_starting)
+    signal.signal(signal.SIGINT, stop_starting)
     try:
         t0 = time.perf_counter()
         launcher.start()

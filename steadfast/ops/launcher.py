@@ -9,10 +9,16 @@ worker is ready. Each child is watched through a pidfd, so a death is seen the i
 dead worker is reaped (its pid is then surely gone), fenced through its node's pool, announced to the
 router, which moves its requests to a standby of that node, and a new standby is started there in the
 background. A dead kvpool is restarted; it re-attaches arena and ledger.
+
+SIGTERM or SIGINT stops the children in the order they need each other: the router first (it refuses new
+requests and lets those in flight finish, for `server.shutdown_timeout`), then the workers (which release
+their leases through their pools as they exit), then the pools. Those exits are expected: nothing is
+restarted, fenced or logged as an error.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -47,6 +53,17 @@ log = logging.getLogger("steadfast.launcher")
 
 
 STANDBY_RESPAWN_DELAY_S = 2.0
+# How long each kind of child gets to exit after its SIGTERM, before it is killed. The router's is on top
+# of `server.shutdown_timeout`: to send the error events of the streams it ended, and close (uvicorn's 5 s).
+ROUTER_STOP_GRACE_S = 10.0
+WORKER_STOP_S = 10.0  # a worker with no request exits at once (it may be loading the model still)
+POOL_STOP_S = 10.0
+
+
+class Phase(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"  # told to stop: the router finishes its requests; its exit is expected
+    STOPPING = "stopping"  # router gone: workers, then pools are stopped
 
 
 class StartupError(RuntimeError):
@@ -64,10 +81,17 @@ def hand_keys_to_children(cfg: Config) -> None:
 class Child:
     spec: ChildSpec
     proc: subprocess.Popen[bytes]
+    stopping_since: float | None = None  # when it was sent SIGTERM by the launcher's stop
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def terminate(self) -> None:
+        """SIGTERM, once: its time to exit counts from the first."""
+        if self.stopping_since is None and self.proc.poll() is None:
+            self.stopping_since = time.monotonic()
+            self.proc.terminate()
 
 
 @dataclass
@@ -101,6 +125,7 @@ class Launcher:
     node_of: dict[int, int] = field(default_factory=dict)  # worker id → index into nodes
     pool_restarts: int = 0
     next_worker_id: int = 0
+    phase: Phase = Phase.SERVING
     _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
 
     def __post_init__(self) -> None:
@@ -226,6 +251,12 @@ class Launcher:
         worker_id = c.spec.worker_id
         node = self.node_of.pop(worker_id, 0)
         code = c.proc.returncode
+        if code == 0:
+            # Retired (drained: the router moved its requests away) or stopped by SIGTERM: it released its
+            # lease and blocks itself. A planned stop: nothing to fence, no replacement until told.
+            log.info("%s (pid %d) retired", c.name, c.proc.pid)
+            self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, 0)))
+            return
         log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
         if self.nodes:
             try:
@@ -237,7 +268,9 @@ class Launcher:
                 log.warning("could not fence %s at once: %s", c.name, exc)
         self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1)))
         # Not at once: loading a model takes both cores for seconds, and the takeover needs them now.
-        self._respawn_at.append((time.monotonic() + STANDBY_RESPAWN_DELAY_S, node))
+        # Not at all when stopping.
+        if self.phase is Phase.SERVING:
+            self._respawn_at.append((time.monotonic() + STANDBY_RESPAWN_DELAY_S, node))
 
     def _respawn_due(self) -> list[Child]:
         """Start the standbys whose replacement time has come; return them."""
@@ -276,7 +309,9 @@ class Launcher:
             time.sleep(0.05)
 
     def _spawn(self, spec: ChildSpec) -> Child:
-        child = Child(spec, subprocess.Popen(spec.command()))
+        # A group of its own: a Ctrl-C at the terminal reaches the launcher alone, which stops the children
+        # in order (and PR_SET_PDEATHSIG still ends them if the launcher dies).
+        child = Child(spec, subprocess.Popen(spec.command(), process_group=0))
         self.children.append(child)
         return child
 
@@ -295,29 +330,33 @@ class Launcher:
         raise StartupError(f"not healthy within {self.cfg.server.startup_timeout_s:.0f}s")
 
     def wait(self) -> int:
-        """Block until a child dies or we are told to stop; return an exit code."""
-        stop = {"signal": 0}
+        """Supervise until told to stop (SIGTERM, SIGINT), then until the router has finished its
+        requests (or had its time for it); return an exit code. `stop` stops the rest."""
+        signals: list[int] = []
 
         def on_signal(signum: int, frame: object) -> None:
-            stop["signal"] = signum
+            signals.append(signum)  # acted on by the loop below, within half a second
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         # A pidfd becomes readable the moment its process exits: death is noticed at once, not polled.
         pidfds = {os.pidfd_open(c.proc.pid): c for c in self.children}
+        handled = 0
         try:
-            while not stop["signal"]:
+            while not (self.phase is Phase.DRAINING and self._router_drained()):
+                if len(signals) > handled:
+                    handled = len(signals)
+                    self._drain_router(signals[-1])
                 self._kill_fenced()
-                for fresh in self._respawn_due():
-                    pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
+                if self.phase is Phase.SERVING:
+                    for fresh in self._respawn_due():
+                        pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
                 soonest = min((t for t, _ in self._respawn_at), default=time.monotonic() + 0.5)
                 timeout = max(0.0, min(0.5, soonest - time.monotonic()))
                 for fd in wait_sentinels(list(pidfds), timeout=timeout):
                     c = pidfds.pop(fd)  # type: ignore[call-overload]
                     os.close(fd)  # type: ignore[arg-type]
                     c.proc.wait()
-                    if stop["signal"]:
-                        continue  # stopping: an exit is expected, nothing is restarted
                     self.children.remove(c)
                     fresh = self._exited(c)
                     if fresh is not None:
@@ -327,9 +366,38 @@ class Launcher:
             for fd in pidfds:
                 os.close(fd)
 
+    def _drain_router(self, signum: int) -> None:
+        """Tell the router to stop: it refuses new requests and finishes those in flight. Told again
+        (a second Ctrl-C), it ends them now. Workers and pools keep being supervised meanwhile."""
+        timeout = self.cfg.server.shutdown_timeout
+        if self.phase is Phase.SERVING:
+            self.phase = Phase.DRAINING
+            self._respawn_at.clear()
+            log.info("%s: stopping; requests in flight get %.0fs to finish", signal.Signals(signum).name, timeout)
+        for c in self.children:
+            if c.spec.kind is not ChildKind.ROUTER:
+                continue
+            if c.stopping_since is None:
+                c.terminate()
+            elif c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)  # its second: end what is left now
+
+    def _router_drained(self) -> bool:
+        """No router left, or the one left had its time (`stop` kills it)."""
+        limit = self.cfg.server.shutdown_timeout + ROUTER_STOP_GRACE_S
+        return not any(
+            c.stopping_since is None or time.monotonic() < c.stopping_since + limit
+            for c in self.children
+            if c.spec.kind is ChildKind.ROUTER
+        )
+
     def _exited(self, c: Child) -> Child | None:
         """Act on a child's exit as its spec says; return the child started in its place now, if any."""
         action = c.spec.on_exit
+        if action is OnExit.RESTART_ROUTER and self.phase is not Phase.SERVING:
+            if c.proc.returncode != 0:  # it had streams open, which are gone
+                log.warning("router (pid %d) exited with code %s while stopping", c.proc.pid, c.proc.returncode)
+            return None
         if action is OnExit.REPLACE:
             self._worker_died(c)  # (its standby replacement comes later, from _respawn_due)
             return None
@@ -342,16 +410,17 @@ class Launcher:
         return self._spawn(c.spec)
 
     def stop(self) -> None:
-        for c in self.children:
-            if c.proc.poll() is None:
-                c.proc.terminate()
-        deadline = time.monotonic() + 10
-        for c in self.children:
-            try:
-                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
+        """Stop every child, in the order they need each other: the router (which finishes its requests
+        first), the workers (which release their leases through their pools), the pools; then remove
+        this launcher's files."""
+        self.phase = Phase.STOPPING
+        router_s = self.cfg.server.shutdown_timeout + ROUTER_STOP_GRACE_S
+        for kind, limit in (
+            (ChildKind.ROUTER, router_s),
+            (ChildKind.WORKER, WORKER_STOP_S),
+            (ChildKind.POOL, POOL_STOP_S),
+        ):
+            self._stop_all([c for c in self.children if c.spec.kind is kind], limit)
         for path in self.shared_files:
             Path(path).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -359,3 +428,17 @@ class Launcher:
             self.run_folder.release()
         if self.arena_folder is not None:
             self.arena_folder.release()  # every arena file of this launcher is in it
+
+    def _stop_all(self, children: list[Child], limit: float) -> None:
+        """SIGTERM each (unless sent already), then wait for each up to `limit` seconds after its SIGTERM;
+        kill those still running."""
+        for c in children:
+            c.terminate()
+        for c in children:
+            since = c.stopping_since if c.stopping_since is not None else time.monotonic()
+            try:
+                c.proc.wait(timeout=max(0.0, since + limit - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) did not stop within %.0fs; killing it", c.name, c.proc.pid, limit)
+                c.proc.kill()
+                c.proc.wait()

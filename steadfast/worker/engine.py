@@ -22,7 +22,7 @@ from steadfast.model.gguf_loader import load_weights
 from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, read_config
 from steadfast.model.llama import LlamaModel
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.protocol import AddRequest, FinishReason, RequestOutput, Resume, Route
+from steadfast.protocol import AddRequest, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
 from steadfast.worker.detokenizer import Detokenizer
 from steadfast.worker.kv_connector import KVConnector
 from steadfast.worker.ledger_sync import LedgerSync
@@ -107,6 +107,8 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (rejections, transfers)
         self.steps = 0
+        self.last_step_end = time.monotonic()  # when a migrated request last ran here (its downtime starts)
+        self._step_start = 0.0
         self.step_seconds = 0.0
         self.step_tokens = 0
         self.generated_tokens = 0
@@ -198,6 +200,22 @@ class Engine:
         if request is not None:
             self._finish(request, FinishReason.ABORT)
 
+    def migrate(self, msg: Migrate) -> None:
+        """The router moves one of our running requests to another worker (between two steps)."""
+        request = self.requests.get(msg.request_id)
+        if request is None:
+            # Finished here first (its last output is on its way) or never ours: the router learns the
+            # outcome from that output; this answer only ends its migration record.
+            out = RequestOutput(msg.request_id, [])
+            out.handoff = Handoff(msg.to_worker, error="not running on this worker", migration=msg.move)
+            self._pending.append(out)
+            return
+        out, left = self.kv.migrate(request, msg, self.last_step_end)
+        if left:
+            self._let_go(request)
+            log.info("request %s migrated to worker %d at token %d", msg.request_id, msg.to_worker, out.index)
+        self._pending.append(out)
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = Status.FINISHED
         request.finish_reason = reason
@@ -222,6 +240,7 @@ class Engine:
         if scheduled.empty:
             return outputs
         t0 = time.perf_counter()
+        self._step_start = time.monotonic()
         if self.sync is not None:
             self.sync.before_execute(self.blocks)
         hook = self.kv.layer_hook(scheduled)
@@ -242,6 +261,7 @@ class Engine:
             self._let_go(request)
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += time.perf_counter() - t0
+        self.last_step_end = time.monotonic()
         return outputs
 
     def _compute(self, scheduled: ScheduledStep, hook: Callable[[int], None] | None) -> tuple[list[Request], list[int]]:
@@ -326,8 +346,11 @@ class Engine:
         if request.recovery is not None:  # the first token after a takeover reports what it cost
             out.route, out.adopted_tokens = request.recovery
             # Handed-over KV is not in the prefix-cache count (that is the prefill worker's).
-            have = out.adopted_tokens if out.route in (Route.HANDOFF, Route.TRANSFER) else request.num_cached
+            moved = out.route in (Route.HANDOFF, Route.TRANSFER, Route.MIGRATED)
+            have = out.adopted_tokens if moved else request.num_cached
             out.recomputed_tokens = request.resume_tokens - have
+            if out.route is Route.MIGRATED:
+                out.resumed_at = self._step_start
             request.recovery = None
         if reason is not None:
             self.scheduler.remove(request.request_id)

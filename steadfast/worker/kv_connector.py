@@ -32,7 +32,7 @@ from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.sender_jobs import TransferOutcome
-from steadfast.protocol import AddRequest, Fallback, FinishReason, Handoff, RequestOutput, Route
+from steadfast.protocol import AddRequest, Fallback, FinishReason, Handoff, Migrate, RequestOutput, Route
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import ScheduledStep, Scheduler
@@ -98,12 +98,26 @@ class KVConnector:
                 return False
             sealed = []  # written by our receiver: sealed here as their blocks are named
         request.output_ids = list(msg.resume.output_ids)
+        if h.num_computed != request.num_tokens - 1:
+            # The KV must cover every token the client holds but the last: else the router and the source
+            # disagree on what was delivered, and these blocks belong to another state of the request.
+            log.error(
+                "request %s: handed KV covers %d tokens, the client holds %d; computing it here",
+                msg.request_id,
+                h.num_computed,
+                request.num_tokens,
+            )
+            if self.blocks.source is not None:
+                self.blocks.source.release(h.block_ids)
+            request.output_ids = []
+            return False
         if self.sync is not None:
             self.sync.received(sealed)
         self.blocks.receive(request.request_id, request.all_ids, h.block_ids, h.num_computed, set(sealed))
         request.num_computed = h.num_computed
         # Its first output says where the KV came from.
-        request.recovery = (Route.HANDOFF if h.path == "same_node" else Route.TRANSFER, h.num_computed)
+        route = Route.HANDOFF if h.path == "same_node" else Route.TRANSFER
+        request.recovery = (Route.MIGRATED if h.migration else route, h.num_computed)
         request.resume_tokens = request.num_tokens
         return True
 
@@ -236,20 +250,48 @@ class KVConnector:
         """Give a prefilled request's KV to its decode worker on this node: ownership changes in the
         ledger, no byte moves (blocks another request here shares are copied). True when done; if it
         cannot be done this worker keeps decoding the request: slower for the others, lossless."""
-        to = request.decode_worker
+        out.handoff = self._give(request, request.decode_worker, f"{request.request_id}/{MoveKind.HANDOFF}")
+        return not out.handoff.error
+
+    def migrate(self, request: Request, msg: Migrate, paused_at: float) -> tuple[RequestOutput, bool]:
+        """Move a running request to `msg.to_worker` between two steps (the router's live migration). On
+        this node its blocks change owner in one ledger transaction and it never runs here again; the
+        output's handoff says where the KV went, or why it stayed (the request then simply goes on here).
+        Returns that output and whether the request left."""
+        out = RequestOutput(request.request_id, [], index=len(request.output_ids))
+        why = self._unmovable(request)
+        if not why and msg.kv_paths:
+            why = "migration across nodes is not available on this worker"
+        if why:
+            out.handoff = Handoff(msg.to_worker, error=why, path="same_node", migration=msg.move)
+            return out, False
+        h = self._give(request, msg.to_worker, msg.move)
+        h.migration, h.paused_at = msg.move, paused_at
+        out.handoff = h
+        return out, not h.error
+
+    def _unmovable(self, request: Request) -> str:
+        """Why a request cannot migrate now, or "" (it is decoding: every token but the last has KV)."""
+        if request.request_id in self._out:
+            return "its KV is being moved already"
+        if not request.output_ids or request.num_pending != 1 or request not in self.scheduler.running:
+            return "not decoding yet (queued, computing its prompt, or preempted); try again shortly"
+        return ""
+
+    def _give(self, request: Request, to: int, move: str) -> Handoff:
+        """Make a request's KV worker `to`'s on this node, recording the move `move` COMMITTED in the same
+        ledger transaction; the Handoff to send on, or one whose `error` says why the request stays."""
         sync = self.sync
         if sync is None:
-            out.handoff = Handoff(to, error="no ledger on this worker: KV cannot change owner", path="same_node")
-            return False
+            return Handoff(to, error="no ledger on this worker: KV cannot change owner", path="same_node")
         sealed: list[int] = []
         copied = 0
         t0 = time.perf_counter()
 
         def transfer(block_ids: list[int], copies: list[tuple[int, bytes]]) -> None:
             nonlocal copied
-            # The move's session collapses into this one transaction (HANDOFF: nothing to reserve, no
-            # byte to copy): its decision, COMMITTED, is recorded with the new owner.
-            move = f"{request.request_id}/{MoveKind.HANDOFF}"
+            # The move's session collapses into this one transaction (nothing to reserve, no byte to
+            # copy): its decision, COMMITTED, is recorded with the new owner.
             sealed.extend(sync.hand_over(block_ids, copies, f"worker{to}", request.request_id, move))
             copied = len(copies)
 
@@ -260,15 +302,12 @@ class KVConnector:
         else:
             why = "no free block to copy a shared prefix block into"
         if handed is None:
-            log.warning("request %s: KV not handed to worker %d (%s); decoding it here", request.request_id, to, why)
-            out.handoff = Handoff(to, error=why, path="same_node")
-            return False
+            log.warning("request %s: KV not handed to worker %d (%s); it stays here", request.request_id, to, why)
+            return Handoff(to, error=why, path="same_node")
         self.scheduler.detach(request)
+        sync.handed(self.blocks)
         seconds = time.perf_counter() - t0
-        out.handoff = Handoff(
-            to, handed, sealed, request.num_computed, copied=copied, seconds=seconds, path="same_node"
-        )
-        return True
+        return Handoff(to, handed, sealed, request.num_computed, copied=copied, seconds=seconds, path="same_node")
 
     def close(self) -> None:
         for side in (self.sender, self.receiver):

@@ -168,6 +168,11 @@ class LedgerSync:
         self._write(self.ledger.hand_over, block_ids, to_worker, seals, request_id, move)
         return sealed
 
+    def handed(self, blocks: BlockManager) -> None:
+        """Blocks just handed to another worker: forget them now (their `released` events), not at the next
+        step, by which time the same blocks may have come back (a migration there and back) and be sealed."""
+        self._sync_blocks(blocks)
+
     def decide_move(self, session: str, proposal: MoveOutcome) -> MoveOutcome:
         """Record a KV move's decision unless one is (this worker being its destination); the recorded one.
         Called from the receiver's thread: the ledger object serves several threads."""

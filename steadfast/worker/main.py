@@ -1,8 +1,10 @@
 """The worker process: a busy loop around one Engine.
 
 Drain inputs (block only when idle) → step → emit outputs, plus a status report every interval.
-A failure inside a step fails the requests of that step with an error output instead of dropping them;
-SIGTERM stops the loop after the current step.
+A failure inside a step fails the requests of that step with an error output instead of dropping them.
+SIGTERM, or the router's Retire after a drain, makes the worker leave: with no request it stops after the
+current step; with some, it reports STOPPING (the router then migrates them away, and sends new ones
+elsewhere) and stops once none is left, or after `server.shutdown_timeout` whatever remains.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from steadfast.protocol import (
     AbortRequest,
     AddRequest,
     FinishReason,
+    Migrate,
     Promote,
     RequestOutput,
+    Retire,
     SamplingParams,
     StepOutputs,
     WorkerRole,
@@ -59,7 +63,8 @@ class WorkerLoop:
         self.role = role
         self.engine: Engine | None = None
         self.node = ""  # the node's pool address: workers sharing it hand KV over in place
-        self.stopping = False
+        self.stopping = False  # asked to leave (SIGTERM, Retire): it goes once its requests have moved
+        self._leave_by = 0.0  # ...or at this time (monotonic) whatever is left
         self._failpoint = f"worker{worker_id}_step"
         self._last_status = 0.0
         self._last_counts = (0, 0.0, 0)  # engine steps, step seconds, step tokens at the last report
@@ -98,7 +103,7 @@ class WorkerLoop:
         self.engine = engine
         self._report(force=True)
         interval_ms = int(self.cfg.server.status_interval_s * 1000)
-        while not self.stopping:
+        while not self._gone(engine):
             if engine.sync is not None:
                 if engine.sync.lease.lost:
                     raise LeaseLostError(engine.sync.lease.lost)
@@ -112,6 +117,12 @@ class WorkerLoop:
                     elif isinstance(msg, AbortRequest):
                         for request_id in msg.request_ids:
                             engine.abort(request_id)
+                    elif isinstance(msg, Migrate):
+                        engine.migrate(msg)
+                    elif isinstance(msg, Retire):
+                        log.info("retiring (%s)", msg.reason or "drained")
+                        self.leave()
+                        self._report(force=True)  # STOPPING: the router sends it nothing new
                     elif isinstance(msg, Promote):
                         self.role = msg.role
                         self._report(force=True)
@@ -121,6 +132,22 @@ class WorkerLoop:
                     self.outbox.send(StepOutputs(self.worker_id, outputs))
             self._report()
         self._report(force=True)
+
+    def leave(self) -> None:
+        """Stop once no request is left here (the router moves them), at the latest after the shutdown timeout."""
+        if not self.stopping:  # (also called from the signal handler: sets two fields, sends nothing)
+            self._leave_by = time.monotonic() + self.cfg.server.shutdown_timeout
+            self.stopping = True
+
+    def _gone(self, engine: Engine) -> bool:
+        if not self.stopping:
+            return False
+        if not engine.requests and not engine.has_work:
+            return True
+        if time.monotonic() >= self._leave_by:
+            log.warning("leaving with %d requests not moved away in time", len(engine.requests))
+            return True
+        return False
 
     def _step(self, engine: Engine) -> list[RequestOutput]:
         stall(self._failpoint)  # a fault test's hung engine (unarmed: one lookup)
@@ -237,7 +264,7 @@ def main() -> None:
     loop = WorkerLoop(cfg, args.worker_id, inbox, outbox, args.role)
 
     def on_term(signum: int, frame: object) -> None:
-        loop.stopping = True
+        loop.leave()  # its next status report says STOPPING: the router drains it
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
@@ -277,7 +304,7 @@ def main() -> None:
     engine.kv.close()
     if sync is not None:
         sync.close(pool, engine.blocks.held_blocks)
-    ctx.destroy(linger=1000)
+    ctx.destroy(linger=200)  # (the router reads fast; gone, nothing would reach it anyway)
 
 
 if __name__ == "__main__":

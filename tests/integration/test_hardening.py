@@ -223,12 +223,14 @@ def test_pending_requests_over_the_limit_get_429_with_retry_after(server, model)
     assert post(server.url + "/v1/completions", json=body(model, "now there is room"), headers=AUTH).status_code == 200
 
 
-def _rss_kib(pgid: int) -> int:
+def _rss_kib(sid: int) -> int:
+    """Resident memory of every process of session `sid` (the server and its children, each of which
+    has a process group of its own)."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+            if int(stat.rsplit(")", 1)[1].split()[3]) != sid:
                 continue
             status = Path(f"/proc/{pid}/status").read_text()
         except (OSError, IndexError, ValueError):

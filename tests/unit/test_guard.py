@@ -4,7 +4,9 @@ tokenizer kept off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import time
 
 import pytest
 
@@ -110,3 +112,120 @@ def test_calls_over_the_connection_limit_get_429_and_bodies_over_the_limit_413()
         assert start["status"] == 413
 
     asyncio.run(run())
+
+
+def test_a_stopping_router_refuses_new_v1_calls_with_503_and_says_it_is_not_ready():
+    from steadfast.control.guard import Guard
+    from steadfast.control.shutdown import Shutdown
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    shutdown = Shutdown()
+    guard = Guard(app, GuardConfig(shutdown=shutdown))
+
+    async def call(path: str) -> tuple[int, dict]:
+        sent: list[dict] = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await guard(scope(path), receive, send)
+        body = sent[1]["body"]
+        return sent[0]["status"], (json.loads(body) if body != b"ok" else {})
+
+    async def run() -> None:
+        assert (await call("/v1/models"))[0] == 200 and (await call("/health"))[0] == 200
+        shutdown.ask()
+        status, body = await call("/v1/chat/completions")
+        assert status == 503
+        assert body["error"]["message"] == "the server is shutting down"
+        assert body["error"]["type"] == "service_unavailable" and body["error"]["code"] == "shutting_down"
+        assert await call("/health") == (503, {"status": "unavailable", "workers": []})
+        assert (await call("/admin/workers"))[0] == 200  # still there to watch the stop
+        assert (await call("/metrics"))[0] == 200
+
+    asyncio.run(run())
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.in_flight: set[str] = set()
+
+
+class FakeClient:
+    """What `Shutdown.drain` uses of the engine client: requests that finish after `steps` polls, or never."""
+
+    def __init__(self, requests: int, steps: int | None) -> None:
+        self.worker = FakeWorker()
+        self.worker.in_flight = {f"r{i}" for i in range(requests)}
+        self.steps = steps
+        self.ended: list[str] = []
+        self.aborted: list[str] = []
+
+    @property
+    def workers(self) -> list[FakeWorker]:
+        return [self.worker]
+
+    @property
+    def pending(self) -> int:
+        if self.steps is not None:
+            self.steps -= 1
+            if self.steps <= 0:
+                self.worker.in_flight.clear()
+        return len(self.worker.in_flight)
+
+    def end_all(self, why: str) -> int:
+        self.ended.append(why)
+        return len(self.worker.in_flight)
+
+    async def abort(self, worker: FakeWorker, rid: str) -> None:
+        self.aborted.append(rid)
+        worker.in_flight.discard(rid)  # as a stream closing on its error event
+
+
+class FakeServer:
+    should_exit = False
+
+
+def drained(client: FakeClient, timeout_s: float, signals: int = 1) -> tuple[float, FakeServer]:
+    from steadfast.control.shutdown import Phase, Shutdown
+
+    async def run() -> tuple[float, FakeServer]:
+        shutdown, server = Shutdown(), FakeServer()
+        task = asyncio.ensure_future(shutdown.drain(client, server, timeout_s))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert not server.should_exit and shutdown.phase is Phase.SERVING  # not asked yet
+        t0 = time.monotonic()
+        for _ in range(signals):
+            shutdown.ask()
+        await task
+        assert shutdown.refusing
+        return time.monotonic() - t0, server
+
+    return asyncio.run(run())
+
+
+def test_a_stopping_router_waits_for_its_requests_then_exits():
+    client = FakeClient(requests=3, steps=5)
+    took, server = drained(client, timeout_s=30)
+    assert server.should_exit and took < 5
+    assert client.ended == [] and client.aborted == []  # they finished on their own
+
+
+def test_requests_past_the_shutdown_timeout_end_with_an_error_and_are_aborted_on_their_workers():
+    from steadfast.control.shutdown import ENDED
+
+    client = FakeClient(requests=2, steps=None)
+    took, server = drained(client, timeout_s=0.3)
+    assert server.should_exit and 0.3 <= took < 3
+    assert client.ended == [ENDED] and sorted(client.aborted) == ["r0", "r1"]
+    assert "shut down" in ENDED
+    # Told twice (a second Ctrl-C): ended at once, not after the timeout.
+    client = FakeClient(requests=1, steps=None)
+    took, server = drained(client, timeout_s=30, signals=2)
+    assert server.should_exit and took < 3 and client.aborted == ["r0"]

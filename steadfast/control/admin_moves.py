@@ -1,0 +1,89 @@
+"""Admin routes that move requests between workers: migrate one request, drain a worker, list the
+migrations. Behind the guard's admin check like every `/admin` route; bodies are small and typed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from steadfast.control.errors import APIError
+from steadfast.control.migration import MigrationError, MigrationRecord
+from steadfast.control.serving import ServingContext
+from steadfast.control.tags import request_tag
+
+WORKER_ID_MAX = 2**31 - 1
+
+
+class MigrateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    to: int | None = Field(default=None, ge=0, le=WORKER_ID_MAX, description="worker id; absent: the policy picks")
+
+
+def record_view(r: MigrationRecord) -> dict[str, Any]:
+    ms = lambda s: None if s is None else round(1000 * s, 3)  # noqa: E731 - a local formatter
+    return {
+        # Not the request id: with it (and its resume token) a stream could be resumed.
+        "request": request_tag(r.request_id),
+        "from_worker": r.from_worker,
+        "to_worker": r.to_worker,
+        "reason": r.reason,
+        "outcome": r.outcome,
+        "at_token": r.at_token,
+        "path": r.path,
+        "stages": r.stages,
+        "blocks": r.blocks,
+        "bytes": r.bytes,
+        "downtime_ms": ms(r.downtime_s),
+        "gap_ms": ms(r.gap_s),
+        "duration_ms": ms(r.seconds),
+        "error": r.error,
+        "started": r.started,
+    }
+
+
+def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
+    client = ctx.client
+
+    def fail(exc: MigrationError) -> APIError:
+        code = {404: "not_found", 409: "conflict"}.get(exc.status, "migration_failed")
+        return APIError(
+            str(exc), exc.status, type_="invalid_request_error" if exc.status < 500 else "server_error", code=code
+        )
+
+    @app.get("/admin/migrations")
+    async def migrations() -> list[dict[str, Any]]:
+        """Every recent migration: request (tag), from, to, path, stages, bytes, downtime, outcome."""
+        return [record_view(r) for r in client.migrations.records]
+
+    @app.post("/admin/requests/{request_id}/migrate")
+    async def migrate(request_id: str, body: MigrateBody | None = None) -> dict[str, Any]:
+        """Move a running request to worker `to` (or the policy's choice) and wait for the outcome, at
+        most `migration.timeout`. 200 with the record when it committed; 409 when it cannot start or
+        the source kept the request; 504 when no outcome came in time (it may still commit)."""
+        if len(request_id) > 256:
+            raise APIError("request id too long", 400, param="request_id")
+        try:
+            record = await client.migrate_and_wait(request_id, body.to if body else None, client.migrations.cfg.timeout)
+        except MigrationError as exc:
+            raise fail(exc) from None
+        view = record_view(record)
+        if not record.done:
+            raise APIError(f"migration not done within {client.migrations.cfg.timeout:g}s: {view}", 504, "server_error")
+        if record.outcome != "committed":
+            raise APIError(f"request not migrated ({record.outcome}): {record.error}", 409, code="not_migrated")
+        return view
+
+    @app.post("/admin/workers/{worker_id}/drain", status_code=202)
+    async def drain(worker_id: int) -> dict[str, Any]:
+        """Stop sending worker `worker_id` new requests, migrate its requests to others, then retire it
+        (it exits; the supervisor starts no replacement). Returns at once; `GET /admin/workers` shows it."""
+        if not 0 <= worker_id <= WORKER_ID_MAX:
+            raise APIError("worker id out of range", 400, param="worker_id")
+        try:
+            client.drain(worker_id)
+        except MigrationError as exc:
+            raise fail(exc) from None
+        w = client.registry.get(worker_id)
+        return {"worker": worker_id, "draining": True, "requests": w.load if w is not None else 0}
