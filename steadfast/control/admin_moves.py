@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from steadfast.control.errors import APIError
-from steadfast.control.migration import MigrationError, MigrationRecord
+from steadfast.control.migration import MigrationError, MigrationMode, MigrationRecord
 from steadfast.control.serving import ServingContext
 from steadfast.control.tags import request_tag
 
@@ -19,6 +19,9 @@ WORKER_ID_MAX = 2**31 - 1
 class MigrateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     to: int | None = Field(default=None, ge=0, le=WORKER_ID_MAX, description="worker id; absent: the policy picks")
+    mode: MigrationMode = Field(
+        default=MigrationMode.KV, description="kv: move the KV; recompute: the destination computes it again"
+    )
 
 
 def record_view(r: MigrationRecord) -> dict[str, Any]:
@@ -65,7 +68,8 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
         if len(request_id) > 256:
             raise APIError("request id too long", 400, param="request_id")
         try:
-            record = await client.migrate_and_wait(request_id, body.to if body else None, client.migrations.cfg.timeout)
+            body = body or MigrateBody()
+            record = await client.migrate_and_wait(request_id, body.to, client.migrations.cfg.timeout, body.mode)
         except MigrationError as exc:
             raise fail(exc) from None
         view = record_view(record)

@@ -26,6 +26,7 @@ from steadfast.control.delivery import Flight, Verdict, Watermark
 from steadfast.control.migration import (
     MIGRATION_ROLES,
     MigrationError,
+    MigrationMode,
     MigrationReason,
     MigrationRecord,
     Migrations,
@@ -45,7 +46,6 @@ from steadfast.protocol import (
     RequestOutput,
     Resume,
     Retire,
-    Route,
     StepOutputs,
     WorkerDied,
     WorkerJoined,
@@ -314,7 +314,7 @@ class EngineClient:
                 continue
             flight.progress = time.monotonic()
             self.recovery.answered(out)
-            if out.route is Route.MIGRATED:
+            if out.token_ids and self.migrations.active(out.request_id) is not None:  # its first token there
                 self._ended(self.migrations.resumed(out.request_id, out.resumed_at, flight.progress))
             if verdict is Verdict.FORWARD:
                 flight.queue.put_nowait(out)
@@ -366,10 +366,16 @@ class EngineClient:
         return self._flights.get(key)
 
     async def migrate(
-        self, request_id: str, to: int | None = None, reason: MigrationReason = MigrationReason.OPERATOR
+        self,
+        request_id: str,
+        to: int | None = None,
+        reason: MigrationReason = MigrationReason.OPERATOR,
+        mode: MigrationMode = MigrationMode.KV,
     ) -> MigrationRecord:
         """Ask a running request's worker to move it to worker `to` (None: the policy's target). Raises
-        MigrationError (with the status an operator's call gets) when it cannot start."""
+        MigrationError (with the status an operator's call gets) when it cannot start. `mode` RECOMPUTE:
+        the source drops it and the destination computes prompt and delivered tokens again (what a server
+        without KV moves does; the baseline of the migration benchmark)."""
         flight = self._flights.get(request_id)
         if flight is None:
             raise MigrationError(f"no request {request_id} is in flight", 404)
@@ -391,6 +397,8 @@ class EngineClient:
                 raise MigrationError(f"request {request_id} runs on worker {to} already", 409)
             if target.role not in MIGRATION_ROLES:
                 raise MigrationError(f"worker {to} is a {target.role} worker: it does not decode", 409)
+        if mode is MigrationMode.RECOMPUTE:
+            return await self._recompute_at(flight, source, target, reason)
         paths: list[str] = []
         if target.node != source.node:
             paths = list(target.status.kv_addresses) if target.status is not None else []
@@ -403,9 +411,26 @@ class EngineClient:
             self._ended(self.migrations.answered(request_id, Handoff(target.worker_id, error="not sent"), 0.0))
         return record
 
-    async def migrate_and_wait(self, request_id: str, to: int | None, timeout_s: float) -> MigrationRecord:
+    async def _recompute_at(
+        self, flight: Flight, source: WorkerHandle, target: WorkerHandle, reason: MigrationReason
+    ) -> MigrationRecord:
+        rid, mark = flight.add.request_id, flight.mark
+        record = self.migrations.begin(flight, source.worker_id, target.worker_id, reason)
+        self.migrations.recomputing(rid, flight.progress)
+        source.in_flight.discard(rid)
+        await self.abort(source, rid)  # its outputs still on the way are the old owner's: never resent
+        mark.hand_to(target.worker_id)
+        target.in_flight.add(rid)
+        add = flight.add
+        resume = Resume(list(mark.delivered), mark.text_chars, source.worker_id)
+        await self._send(target, AddRequest(rid, add.prompt_ids, add.params, add.priority, resume=resume))
+        return record
+
+    async def migrate_and_wait(
+        self, request_id: str, to: int | None, timeout_s: float, mode: MigrationMode = MigrationMode.KV
+    ) -> MigrationRecord:
         """An operator's migration: started, then awaited until it commits, aborts or `timeout_s` passes."""
-        record = await self.migrate(request_id, to)
+        record = await self.migrate(request_id, to, MigrationReason.OPERATOR, mode)
         deadline = time.monotonic() + timeout_s
         while not record.done and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

@@ -29,6 +29,11 @@ class MigrationReason(enum.StrEnum):
     DRAIN = "drain"  # its worker is being drained (an operator, SIGTERM to the worker, a rollout)
 
 
+class MigrationMode(enum.StrEnum):
+    KV = "kv"  # the KV moves (same node: change of owner; across nodes: copied in stages)
+    RECOMPUTE = "recompute"  # prompt and delivered tokens re-sent: the destination computes the KV again
+
+
 class MigrationOutcome(enum.StrEnum):
     RUNNING = "running"  # asked of the source; no answer yet
     SWITCHED = "switched"  # the KV is the destination's; its first token not seen yet
@@ -145,10 +150,18 @@ class Migrations:
             return None
         if resumed_at and record.paused_at:
             record.downtime_s = max(0.0, resumed_at - record.paused_at)
+        elif record.path == MigrationMode.RECOMPUTE:  # aborted at the switch; running again at its first token
+            record.downtime_s = now - record.switched_at
         if record.last_token_at:
             record.gap_s = now - record.last_token_at
         self._end(record, MigrationOutcome.COMMITTED)
         return record
+
+    def recomputing(self, request_id: str, last_token_at: float) -> None:
+        """A migration by recompute: switched at once (the source is told to drop the request)."""
+        record = self._active[request_id]
+        record.path, record.last_token_at = MigrationMode.RECOMPUTE.value, last_token_at
+        record.outcome, record.switched_at = MigrationOutcome.SWITCHED, time.monotonic()
 
     def lost(self, worker_id: int, why: str) -> list[MigrationRecord]:
         """A worker died: its migrations, either way, end; the takeover recovers their requests."""
