@@ -204,6 +204,22 @@ class WorkerJoined(msgspec.Struct, tag="joined", array_like=True):
     worker_id: int
     address: str
     role: WorkerRole
+    like: int = -1  # the worker it replaces in a rollout (StartWorker), else -1
+
+
+class StartWorker(msgspec.Struct, tag="start", array_like=True):
+    """Router → supervisor (a rollout): start a new worker like worker `like` (its role and node). The
+    supervisor answers on the router's output socket with WorkerJoined (`like` set)."""
+
+    like: int
+
+
+ToSupervisor = StartWorker
+_to_supervisor = msgspec.msgpack.Decoder(ToSupervisor)
+
+
+def decode_to_supervisor(data: bytes) -> StartWorker:
+    return _to_supervisor.decode(data)
 
 
 ToWorker = AddRequest | AbortRequest | Promote | Migrate | Retire

@@ -50,7 +50,7 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
     client = ctx.client
 
     def fail(exc: MigrationError) -> APIError:
-        code = {404: "not_found", 409: "conflict"}.get(exc.status, "migration_failed")
+        code = {404: "not_found", 409: "conflict", 503: "no_supervisor"}.get(exc.status, "migration_failed")
         return APIError(
             str(exc), exc.status, type_="invalid_request_error" if exc.status < 500 else "server_error", code=code
         )
@@ -78,6 +78,22 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
         if record.outcome != "committed":
             raise APIError(f"request not migrated ({record.outcome}): {record.error}", 409, code="not_migrated")
         return view
+
+    @app.post("/admin/rollout", status_code=202)
+    async def rollout() -> dict[str, Any]:
+        """Restart every worker in turn (replacement ready first, then the old one drained and retired).
+        Returns at once; `GET /admin/rollout` shows its progress."""
+        try:
+            return client.start_rollout().view()
+        except MigrationError as exc:
+            raise fail(exc) from None
+
+    @app.get("/admin/rollout")
+    async def rollout_state() -> dict[str, Any]:
+        """The last rollout: state, each worker's replacement and step, duration; 404 before the first."""
+        if client.rollout is None:
+            raise APIError("no rollout has run", 404, code="not_found")
+        return client.rollout.view()
 
     @app.post("/admin/workers/{worker_id}/drain", status_code=202)
     async def drain(worker_id: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from steadfast.control.migration import (
 from steadfast.control.placement import DECODE_ROLES, SERVE_ROLES, Placement
 from steadfast.control.recovery import Recovery, Takeover
 from steadfast.control.resume import Resumption
+from steadfast.control.rollout import Rollout, RolloutState, RolloutStep
 from steadfast.control.workers import Liveness, WorkerHandle, WorkerRegistry
 from steadfast.protocol import (
     AbortRequest,
@@ -46,6 +47,7 @@ from steadfast.protocol import (
     RequestOutput,
     Resume,
     Retire,
+    StartWorker,
     StepOutputs,
     WorkerDied,
     WorkerJoined,
@@ -74,6 +76,7 @@ class EngineClient:
         request_timeout_s: float = 60.0,
         migration: MigrationConfig | None = None,
         block_size: int = 16,
+        supervisor: str = "",
     ) -> None:
         """`workers`: (id, input address, role) of each worker. `ledger_urls`: each node's ledger,
         where a restarted router finds requests it never saw (to resume them for reconnecting clients)."""
@@ -95,6 +98,15 @@ class EngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self.migrations = Migrations(migration or MigrationConfig(), self.registry, block_size)
         self._drains: dict[int, asyncio.Task[None]] = {}
+        # The supervisor, asked for new workers by a rollout (absent: a router started by hand).
+        self._supervisor: zmq.asyncio.Socket | None = None
+        if supervisor:
+            self._supervisor = self.ctx.socket(zmq.PUSH)
+            self._supervisor.setsockopt(zmq.LINGER, 0)
+            self._supervisor.connect(supervisor)
+        self._replacements: dict[int, int] = {}  # worker → the worker started to replace it
+        self.rollout: Rollout | None = None
+        self.startup_timeout_s = 180.0
         self.on_handoff: Callable[[Handoff], None] | None = None  # metrics hook
         self.on_migration: Callable[[MigrationRecord], None] | None = None  # metrics hook: one that ended
 
@@ -288,7 +300,10 @@ class EngineClient:
                 await self._lost(w)
         elif self.registry.get(msg.worker_id) is None:  # WorkerJoined
             log.info("worker %d joined as %s at %s", msg.worker_id, msg.role, msg.address)
-            self._add_worker(msg.worker_id, msg.address, msg.role)
+            w = self._add_worker(msg.worker_id, msg.address, msg.role)
+            w.joining = True
+            if msg.like >= 0:
+                self._replacements[msg.like] = msg.worker_id
 
     async def _deliver(self, msg: StepOutputs) -> None:
         self.registry.seen(msg.worker_id)
@@ -484,6 +499,63 @@ class EngineClient:
                     with contextlib.suppress(MigrationError):  # none can take it now: asked again soon
                         await self.migrate(rid, None, MigrationReason.DRAIN)
             await asyncio.sleep(0.05)
+
+    # --- rollout -------------------------------------------------------------------------------
+    def start_rollout(self) -> Rollout:
+        """Replace every worker in turn (standbys too): start its replacement, wait until it is ready,
+        drain the old one onto the others, wait until it retired. Raises MigrationError (409) when
+        one is running, (503) when there is no supervisor to start workers."""
+        if self._supervisor is None:
+            raise MigrationError("this router has no supervisor to start workers (not under steadfast serve)", 503)
+        if self.rollout is not None and self.rollout.state is RolloutState.RUNNING:
+            raise MigrationError("a rollout is running already", 409)
+        workers = sorted(w.worker_id for w in self.registry if not w.dead and not w.leaving)
+        self.rollout = Rollout(workers)
+        self._spawn(self._roll(self.rollout))
+        return self.rollout
+
+    async def _roll(self, r: Rollout) -> None:
+        try:
+            for old in r.workers:
+                w = self.registry.get(old)
+                if w is None or w.dead:
+                    continue
+                row = r.step(old)
+                assert self._supervisor is not None
+                await self._supervisor.send(protocol.encode(StartWorker(old)))
+                new = await self._until(lambda old=old: self._ready_replacement(old), self.startup_timeout_s)
+                if new is None:
+                    raise TimeoutError(
+                        f"the replacement of worker {old} was not ready in {self.startup_timeout_s:.0f}s"
+                    )
+                row["new"], row["step"] = new, RolloutStep.DRAINING
+                log.warning("rollout: worker %d is ready to replace worker %d", new, old)
+                if self.registry.get(old) is not None:
+                    self.drain(old)
+                gone = await self._until(lambda old=old: self.registry.get(old) is None or None, 3600.0)
+                if gone is None:
+                    raise TimeoutError(f"worker {old} did not retire")
+                row["step"], row["seconds"] = RolloutStep.RETIRED, time.monotonic() - row["t0"]
+            r.end(RolloutState.DONE)
+            log.warning("rollout done: %d workers replaced in %.1fs", len(r.steps), r.seconds)
+        except Exception as exc:  # the rollout stops where it is; every worker left serves on
+            log.error("rollout failed: %s", exc)
+            r.end(RolloutState.FAILED, str(exc))
+
+    def _ready_replacement(self, old: int) -> int | None:
+        new = self._replacements.get(old)
+        w = self.registry.get(new) if new is not None else None
+        return new if w is not None and w.ready else None
+
+    @staticmethod
+    async def _until(probe: Callable[[], object], timeout_s: float) -> object:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = probe()
+            if value is not None:
+                return value
+            await asyncio.sleep(0.05)
+        return None
 
     # --- failure -------------------------------------------------------------------------------
     def _spawn(self, coro: object) -> None:

@@ -29,7 +29,13 @@ from steadfast.protocol import WorkerRole
 log = logging.getLogger("steadfast.router")
 
 
-async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], output: str, ledger_urls: list[str]) -> None:
+async def serve(
+    cfg_json: str,
+    workers: list[tuple[int, str, WorkerRole]],
+    output: str,
+    ledger_urls: list[str],
+    supervisor: str = "",
+) -> None:
     cfg = config_from_dict(json.loads(cfg_json)).with_env_keys()  # (keys never come on the command line)
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
@@ -45,7 +51,9 @@ async def serve(cfg_json: str, workers: list[tuple[int, str, WorkerRole]], outpu
         srv.request_timeout,
         cfg.migration,
         cfg.cache.block_size,
+        supervisor,
     )
+    client.startup_timeout_s = srv.startup_timeout_s
     await client.start()
     ctx = ServingContext(
         client=client,
@@ -93,12 +101,13 @@ def main() -> None:
         "--ledger", action="append", default=[], help="a node's ledger URL, to resume requests after a restart"
     )
     parser.add_argument("--output", required=True, help="address to bind for worker outputs")
+    parser.add_argument("--supervisor", default="", help="the supervisor's address, to ask for new workers")
     args = parser.parse_args()
     die_with_parent()
     setup_logging("router")
     workers = [(*_worker(a), WorkerRole.MIXED) for a in args.worker]
     workers += [(*_worker(a), WorkerRole.STANDBY) for a in args.standby]
-    asyncio.run(serve(args.config_json, workers, args.output, args.ledger))
+    asyncio.run(serve(args.config_json, workers, args.output, args.ledger, args.supervisor))
 
 
 def _worker(arg: str) -> tuple[int, str]:

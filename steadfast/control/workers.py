@@ -35,6 +35,7 @@ class WorkerHandle:
     promoted_at: float | None = None  # when a standby started taking traffic (its warm-up ramp)
     in_flight: set[str] = field(default_factory=set)
     draining: bool = False  # its requests are being migrated away: it takes nothing new
+    joining: bool = False  # started while serving (a rollout's replacement): /health does not wait for it
 
     @property
     def status(self) -> WorkerStatus | None:
@@ -106,6 +107,7 @@ class WorkerRegistry:
         now = time.monotonic() if now is None else now
         w.history.append((now, status))
         w.last_seen = now
+        w.joining = w.joining and status.state != WorkerState.READY
         return w
 
     def seen(self, worker_id: int, now: float | None = None) -> None:
@@ -136,7 +138,7 @@ class WorkerRegistry:
     @property
     def ready(self) -> bool:
         """Every worker taking traffic is ready, and there is at least one (standbys may be loading)."""
-        active = [w for w in self._workers.values() if w.active and not w.dead and not w.leaving]
+        active = [w for w in self._workers.values() if w.active and not w.dead and not w.leaving and not w.joining]
         return bool(active) and all(w.ready for w in active)
 
     def live(self, exclude: int = -1) -> list[WorkerHandle]:

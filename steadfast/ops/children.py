@@ -131,10 +131,13 @@ def router_spec(
     ledger_urls: list[str],
     active: list[tuple[int, str]],
     standbys: list[tuple[int, str]],
+    supervisor: str = "",
 ) -> ChildSpec:
     """`active`, `standbys`: (worker id, input address). A restarted router learns each worker's
-    current role from its first status report."""
+    current role from its first status report. `supervisor`: where it asks for new workers (a rollout)."""
     argv = ["steadfast.control.main", "--config-json", cfg_json, "--output", output_address]
+    if supervisor:
+        argv += ["--supervisor", supervisor]
     for url in ledger_urls:
         argv += ["--ledger", url]
     for flag, workers in (("--worker", active), ("--standby", standbys)):

@@ -123,6 +123,7 @@ class Launcher:
     shared_files: list[str] = field(default_factory=list)
     nodes: list[PoolNode] = field(default_factory=list)
     node_of: dict[int, int] = field(default_factory=dict)  # worker id → index into nodes
+    role_of: dict[int, WorkerRole] = field(default_factory=dict)  # worker id → the role it started with
     pool_restarts: int = 0
     next_worker_id: int = 0
     phase: Phase = Phase.SERVING
@@ -160,6 +161,12 @@ class Launcher:
         for i in range(pools):
             self._start_pool(i, cfg_json, spec)
         self._cfg_json, self._output, self._spec = cfg_json, output, spec
+        # The router asks here for new workers (a rollout); the run folder is 0700, so only this user can.
+        self._supervisor_address = f"ipc://{self.run_dir}/supervisor"
+        self._requests = zmq.Context.instance().socket(zmq.PULL)
+        self._requests.setsockopt(zmq.LINGER, 0)
+        self._requests.setsockopt(zmq.MAXMSGSIZE, 4096)
+        self._requests.bind(self._supervisor_address)
         # The KV wire between nodes: one keypair per side, made once per deployment, handed over as files.
         wire_keys = srv.decode_node == "separate" and cfg.transfer.curve
         try:
@@ -202,7 +209,7 @@ class Launcher:
         """The router: workers (by id) that take traffic, then standbys."""
         ledgers = [node.ledger_url for node in self.nodes]
         with_address = [[(i, self._worker_address(i)) for i in ids] for ids in (active, standbys)]
-        return router_spec(self._cfg_json, self._output, ledgers, *with_address)
+        return router_spec(self._cfg_json, self._output, ledgers, *with_address, self._supervisor_address)
 
     def _router_died(self, c: Child) -> Child:
         """Restart the router on the workers that live now; clients reconnect with Last-Event-ID."""
@@ -224,6 +231,7 @@ class Launcher:
             source = ArenaSource(arena_file=arena.path)
         address = self._worker_address(worker_id)
         self.node_of[worker_id] = node
+        self.role_of[worker_id] = role
         self.next_worker_id = max(self.next_worker_id, worker_id + 1)
         side = TransferSide.NONE  # one node: no KV wire at all
         if self.cfg.server.decode_node == "separate":  # the decode node's workers (standbys too) receive
@@ -283,6 +291,29 @@ class Launcher:
             self._notices.send(protocol.encode(WorkerJoined(new_id, address, WorkerRole.STANDBY)))
             started.append(self.children[-1])
         return started
+
+    def _requested(self) -> list[Child]:
+        """Workers the router asked for (a rollout's replacements): started like the one named, each
+        announced with WorkerJoined. A malformed request or one naming no live worker is dropped."""
+        started = []
+        while True:
+            try:
+                data = self._requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return started
+            try:
+                ask = protocol.decode_to_supervisor(data)
+            except Exception:  # noqa: BLE001 - msgspec's errors: nothing is started for it
+                log.warning("dropped a malformed request on the supervisor socket")
+                continue
+            if ask.like not in self.node_of:
+                log.warning("asked for a worker like worker %d, which is not running", ask.like)
+                continue
+            new_id, role = self.next_worker_id, self.role_of[ask.like]
+            address = self._spawn_worker(new_id, role, self.node_of[ask.like])
+            log.info("started worker %d (%s) to replace worker %d", new_id, role, ask.like)
+            self._notices.send(protocol.encode(WorkerJoined(new_id, address, role, ask.like)))
+            started.append(self.children[-1])
 
     def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec) -> None:
         configured = self.cfg.fault_recovery.kv_cache.resolved_ledger_url
@@ -349,7 +380,7 @@ class Launcher:
                     self._drain_router(signals[-1])
                 self._kill_fenced()
                 if self.phase is Phase.SERVING:
-                    for fresh in self._respawn_due():
+                    for fresh in self._respawn_due() + self._requested():
                         pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
                 soonest = min((t for t, _ in self._respawn_at), default=time.monotonic() + 0.5)
                 timeout = max(0.0, min(0.5, soonest - time.monotonic()))
