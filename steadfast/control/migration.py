@@ -165,7 +165,12 @@ class Migrations:
 
     def lost(self, worker_id: int, why: str) -> list[MigrationRecord]:
         """A worker died: its migrations, either way, end; the takeover recovers their requests."""
-        gone = [r for r in self._active.values() if worker_id in (r.from_worker, r.to_worker)]
+        gone = [
+            r
+            for r in self._active.values()
+            # Once switched, the source's death changes nothing: the request is the destination's.
+            if r.to_worker == worker_id or (r.from_worker == worker_id and r.outcome is MigrationOutcome.RUNNING)
+        ]
         for record in gone:
             self._end(record, MigrationOutcome.LOST, why)
         return gone

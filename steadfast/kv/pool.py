@@ -187,7 +187,8 @@ def serve(pool: KVPool, sock: zmq.Socket, stopping: Callable[[], bool]) -> None:
     tick = pool.cfg.fault_recovery.lease.renew_interval_ms / 1000
     next_tick = next_prune = time.monotonic()
     while not stopping():
-        if sock.poll(max(1, int((next_tick - time.monotonic()) * 1000))):
+        # At most 100 ms per wait: a SIGTERM (which does not interrupt the poll) is seen that soon.
+        if sock.poll(max(1, min(100, int((next_tick - time.monotonic()) * 1000)))):
             sock.send_multipart(answer(pool, sock.recv_multipart()))
         now = time.monotonic()
         if now >= next_tick:
@@ -222,6 +223,8 @@ def main() -> None:
     serve(pool, sock, lambda: stop["now"])
     pool.close()
     ctx.destroy(linger=0)
+    logging.shutdown()
+    os._exit(0)  # closed and flushed: the interpreter's teardown (torch) would only delay a shutdown
 
 
 if __name__ == "__main__":

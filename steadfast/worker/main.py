@@ -109,7 +109,8 @@ class WorkerLoop:
                     raise LeaseLostError(engine.sync.lease.lost)
                 engine.sync.lease.beat()  # the lease lives only while this loop goes round
             # Busy: no wait. Only waiting to hear how KV transfers ended: a short one. Idle: long.
-            wait = (2 if engine.only_waiting_on_transfers else 0) if engine.has_work else interval_ms
+            # (Idle waits are short too: a SIGTERM, which does not interrupt the poll, is seen within them.)
+            wait = (2 if engine.only_waiting_on_transfers else 0) if engine.has_work else min(interval_ms, 100)
             if self.inbox.poll(wait):
                 for msg in self.inbox.drain():
                     if isinstance(msg, AddRequest):
@@ -305,6 +306,10 @@ def main() -> None:
     if sync is not None:
         sync.close(pool, engine.blocks.held_blocks)
     ctx.destroy(linger=200)  # (the router reads fast; gone, nothing would reach it anyway)
+    # Everything is released and sent: skip the interpreter's teardown of torch and the model (about a
+    # second), which a rollout or a shutdown would wait for.
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -88,3 +88,7 @@ def test_a_migration_ends_exactly_once_and_the_cap_counts_the_running_ones():
     other = m.begin(flight(21), 0, 1, MigrationReason.DRAIN)
     assert [r.move for r in m.lost(1, "worker 1 died")] == [other.move]
     assert other.outcome is MigrationOutcome.LOST
+    switched = flight(22)
+    third = m.begin(switched, 0, 1, MigrationReason.DRAIN)
+    m.answered(switched.add.request_id, Handoff(1, [5], migration=third.move), 0.0)
+    assert m.lost(0, "the source retired") == [] and third.outcome is MigrationOutcome.SWITCHED
