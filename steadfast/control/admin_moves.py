@@ -8,12 +8,15 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from steadfast.control.errors import APIError
+from steadfast.control.errors import APIError, ErrorBody
 from steadfast.control.migration import MigrationError, MigrationMode, MigrationRecord
 from steadfast.control.serving import ServingContext
 from steadfast.control.tags import request_tag
 
 WORKER_ID_MAX = 2**31 - 1
+# Besides the app-wide errors: what a move that cannot start, or does not finish in time, answers.
+CONFLICT = {409: {"description": "the move cannot start now, or the source kept the request", "model": ErrorBody}}
+TIMEOUT = {504: {"description": "no outcome within migration.timeout (it may still commit)", "model": ErrorBody}}
 
 
 class MigrateBody(BaseModel):
@@ -60,7 +63,7 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
         """Every recent migration: request (tag), from, to, path, stages, bytes, downtime, outcome."""
         return [record_view(r) for r in client.migrations.records]
 
-    @app.post("/admin/requests/{request_id}/migrate")
+    @app.post("/admin/requests/{request_id}/migrate", responses={**CONFLICT, **TIMEOUT})
     async def migrate(request_id: str, body: MigrateBody | None = None) -> dict[str, Any]:
         """Move a running request to worker `to` (or the policy's choice) and wait for the outcome, at
         most `migration.timeout`. 200 with the record when it committed; 409 when it cannot start or
@@ -79,7 +82,7 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
             raise APIError(f"request not migrated ({record.outcome}): {record.error}", 409, code="not_migrated")
         return view
 
-    @app.post("/admin/rollout", status_code=202)
+    @app.post("/admin/rollout", status_code=202, responses=CONFLICT)
     async def rollout() -> dict[str, Any]:
         """Restart every worker in turn (replacement ready first, then the old one drained and retired).
         Returns at once; `GET /admin/rollout` shows its progress."""
@@ -95,7 +98,7 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
             raise APIError("no rollout has run", 404, code="not_found")
         return client.rollout.view()
 
-    @app.post("/admin/workers/{worker_id}/drain", status_code=202)
+    @app.post("/admin/workers/{worker_id}/drain", status_code=202, responses=CONFLICT)
     async def drain(worker_id: int) -> dict[str, Any]:
         """Stop sending worker `worker_id` new requests, migrate its requests to others, then retire it
         (it exits; the supervisor starts no replacement). Returns at once; `GET /admin/workers` shows it."""

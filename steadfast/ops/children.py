@@ -99,13 +99,13 @@ def worker_spec(
     arena: ArenaSource,
     node: int = 0,
     transfer: TransferSide | None = None,
-    transfer_keys: str = "",
+    transfer_keys: tuple[str, ...] = (),
 ) -> ChildSpec:
     """`transfer`: the worker's side of the KV wire between nodes (None: it goes by its role);
-    `transfer_keys`: the path of that side's key file (a path only: a key on a command line is public)."""
+    `transfer_keys`: the paths of its sides' key files (paths only: a key on a command line is public)."""
     wire = (
         *(("--transfer-side", str(transfer)) if transfer is not None else ()),
-        *(("--transfer-keys", transfer_keys) if transfer_keys else ()),
+        *(arg for path in transfer_keys for arg in ("--transfer-keys", path)),
     )
     argv = (
         "steadfast.worker.main",

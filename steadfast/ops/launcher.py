@@ -234,9 +234,12 @@ class Launcher:
         self.role_of[worker_id] = role
         self.next_worker_id = max(self.next_worker_id, worker_id + 1)
         side = TransferSide.NONE  # one node: no KV wire at all
-        if self.cfg.server.decode_node == "separate":  # the decode node's workers (standbys too) receive
-            side = TransferSide.RECEIVE if node == len(self.nodes) - 1 else TransferSide.SEND
-        keys = str(self._wire_keys.get(side, ""))
+        if self.cfg.server.decode_node == "separate":
+            # A prefill worker only sends; every worker that may decode (standbys too: one may be promoted)
+            # receives (a prefill's KV, a migration's) and sends (a migration away).
+            side = TransferSide.SEND if role == WorkerRole.PREFILL else TransferSide.BOTH
+        sides = (TransferSide.SEND, TransferSide.RECEIVE) if side is TransferSide.BOTH else (side,)
+        keys = tuple(str(self._wire_keys[s]) for s in sides if s in self._wire_keys)
         self._spawn(worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node, side, keys))
         return address
 

@@ -211,6 +211,8 @@ class Engine:
             self._pending.append(out)
             return
         out, left = self.kv.migrate(request, msg, self.last_step_end)
+        if out is None:
+            return  # copied to another node while it runs on; the answer comes with the outcome
         if left:
             self._let_go(request)
             log.info("request %s migrated to worker %d at token %d", msg.request_id, msg.to_worker, out.index)

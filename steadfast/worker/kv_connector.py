@@ -33,6 +33,7 @@ from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.sender_jobs import TransferOutcome
 from steadfast.protocol import AddRequest, Fallback, FinishReason, Handoff, Migrate, RequestOutput, Route
+from steadfast.worker.kv_migration import OutgoingMigrations
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import ScheduledStep, Scheduler
@@ -69,16 +70,20 @@ class KVConnector:
         self.receiver = receiver  # across nodes, destination side
         self.layerwise = cfg.transfer.layerwise  # stream each layer as it is computed, not all at the end
         self._out: dict[str, Outgoing] = {}
+        # Live migrations to another node (a sender is the wire out); on this node they are `_give`.
+        self.migrations = OutgoingMigrations(arena, blocks, scheduler, sender) if sender is not None else None
         self._prompts_done: list[tuple[Request, RequestOutput]] = []  # KV to hand over after this step
 
     @property
     def busy(self) -> bool:
         """Moves in progress: outcomes to hear back from."""
-        return bool(self._out)
+        return bool(self._out) or (self.migrations is not None and self.migrations.busy)
 
     def paused(self, request_id: str) -> bool:
         """Waiting, owned and not scheduled, for its move's outcome."""
         move = self._out.get(request_id)
+        if self.migrations is not None and self.migrations.paused(request_id):
+            return True
         return move is not None and move.paused and not move.ended
 
     # --- add --------------------------------------------------------------------------------------
@@ -90,7 +95,8 @@ class KVConnector:
         h = msg.handoff
         sealed: list[int] = h.sealed
         if h.path != "same_node":
-            claimed = self.receiver.claim(msg.request_id) if self.receiver is not None else None
+            key = h.migration or msg.request_id  # a migration's KV is kept under its move's name
+            claimed = self.receiver.claim(key) if self.receiver is not None else None
             if claimed is None or claimed != h.block_ids:
                 if claimed and self.blocks.source is not None:
                     self.blocks.source.release(claimed)
@@ -167,6 +173,8 @@ class KVConnector:
     def after_step(self) -> list[Request]:
         """Run the moves of this step's finished prompts (after its seals and checkpoint, so what is
         handed over is recorded); return the requests that are no longer ours."""
+        if self.migrations is not None:
+            self.migrations.after_step()
         gone = []
         while self._prompts_done:
             request, out = self._prompts_done.pop()
@@ -178,6 +186,8 @@ class KVConnector:
 
     def ended(self, request: Request) -> None:
         """A request ended here (finished, aborted) before its move committed: the move is given up."""
+        if self.migrations is not None:
+            self.migrations.ended(request)
         move = self._out.get(request.request_id)
         if move is None or move.ended or self.sender is None:
             return
@@ -191,9 +201,20 @@ class KVConnector:
         having failed, that it must compute the prompt itself — and the requests they let go."""
         if self.sender is None:
             return [], []
-        self.sender.touch([rid for rid, move in self._out.items() if not move.ended])
+        migrating = self.migrations.keys() if self.migrations is not None else []
+        self.sender.touch([rid for rid, move in self._out.items() if not move.ended] + migrating)
         outputs, gone = [], []
         for r in self.sender.results():
+            migrated = self.migrations.result(r) if self.migrations is not None else None
+            if migrated is not None:
+                answer, left = migrated
+                if answer is not None:
+                    outputs.append(answer)
+                if left is not None:
+                    if self.sync is not None:
+                        self.sync.finished(left)  # here, that is: the destination node's ledger follows it
+                    gone.append(left)
+                continue
             move = self._out.pop(r.request_id, None)
             to, num_tokens = (move.to_worker, move.num_tokens) if move is not None else (-1, 0)
             failed = r.outcome is TransferOutcome.FAILED  # (an aborted one's request ended here already)
@@ -253,15 +274,20 @@ class KVConnector:
         out.handoff = self._give(request, request.decode_worker, f"{request.request_id}/{MoveKind.HANDOFF}")
         return not out.handoff.error
 
-    def migrate(self, request: Request, msg: Migrate, paused_at: float) -> tuple[RequestOutput, bool]:
+    def migrate(self, request: Request, msg: Migrate, paused_at: float) -> tuple[RequestOutput | None, bool]:
         """Move a running request to `msg.to_worker` between two steps (the router's live migration). On
         this node its blocks change owner in one ledger transaction and it never runs here again; the
         output's handoff says where the KV went, or why it stayed (the request then simply goes on here).
-        Returns that output and whether the request left."""
+        Returns that output and whether the request left. Across nodes (`kv_paths`) the copy starts and
+        the answer comes later, from `results` (None now)."""
         out = RequestOutput(request.request_id, [], index=len(request.output_ids))
         why = self._unmovable(request)
         if not why and msg.kv_paths:
-            why = "migration across nodes is not available on this worker"
+            if self.migrations is None:
+                why = "this worker has no KV wire to another node"
+            else:
+                self.migrations.begin(request, msg)
+                return None, False
         if why:
             out.handoff = Handoff(msg.to_worker, error=why, path="same_node", migration=msg.move)
             return out, False
@@ -272,7 +298,7 @@ class KVConnector:
 
     def _unmovable(self, request: Request) -> str:
         """Why a request cannot migrate now, or "" (it is decoding: every token but the last has KV)."""
-        if request.request_id in self._out:
+        if request.request_id in self._out or (self.migrations is not None and request.request_id in self.migrations):
             return "its KV is being moved already"
         if not request.output_ids or request.num_pending != 1 or request not in self.scheduler.running:
             return "not decoding yet (queued, computing its prompt, or preempted); try again shortly"

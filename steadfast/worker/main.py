@@ -174,21 +174,30 @@ def transfer_side(role: WorkerRole, given: TransferSide | None) -> TransferSide:
     return {WorkerRole.PREFILL: TransferSide.SEND, WorkerRole.DECODE: TransferSide.RECEIVE}.get(role, TransferSide.NONE)
 
 
-def transfer_keys(cfg: Config, side: TransferSide, path: str | None) -> CurveKeys | None:
-    """This side's CURVE keys from the launcher's file; a separate decode node with `transfer.curve` and
-    no keys (or no CURVE in libzmq) is an error at start, not an open wire."""
+def transfer_keys(cfg: Config, side: TransferSide, paths: list[str] | None) -> dict[TransferSide, CurveKeys]:
+    """This worker's CURVE keys by side (BOTH: a sender's and a receiver's) from the launcher's files; a
+    separate decode node with `transfer.curve` and no keys (or no CURVE in libzmq) is an error at start,
+    not an open wire."""
     if side is TransferSide.NONE:
-        return None
-    if path:
+        return {}
+    wanted = {TransferSide.SEND, TransferSide.RECEIVE} if side is TransferSide.BOTH else {side}
+    if paths:
         curve.require_curve()
-        keys = CurveKeys.load(path)
-        if keys.side is not side:
-            raise SystemExit(f"--transfer-keys {path} holds the {keys.side} side's keys; this worker's side is {side}")
+        keys = {}
+        for path in paths:
+            k = CurveKeys.load(path)
+            if k.side not in wanted:
+                raise SystemExit(f"--transfer-keys {path} holds the {k.side} side's keys; this worker's side is {side}")
+            keys[k.side] = k
+        if set(keys) != wanted:
+            raise SystemExit(
+                f"--transfer-keys: this worker's side is {side}; keys for {sorted(wanted - set(keys))} missing"
+            )
         return keys
     if cfg.transfer.curve and cfg.server.decode_node == "separate":
         raise SystemExit("transfer.curve is on but no --transfer-keys were given: the KV wire would be open")
     log.warning("KV transfers to and from this worker are not authenticated (no --transfer-keys)")
-    return None
+    return {}
 
 
 def _other_nodes(
@@ -198,34 +207,37 @@ def _other_nodes(
     pool: PoolClient,
     sync: LedgerSync,
     side: TransferSide,
-    keys: CurveKeys | None,
+    keys: dict[TransferSide, CurveKeys] | None,
 ) -> tuple[KVSender | None, KVReceiver | None]:
-    """KV across nodes: on the prefill node a sender (it prefills for a decode worker elsewhere); on the
-    decode node a receiver (it decodes what a prefill worker elsewhere computed), whose blocks come from
+    """KV across nodes: a sender where this worker sends (a prefill for a decode worker elsewhere, a
+    migration away), a receiver where it receives (a prefill's KV, a migration's), whose blocks come from
     this node's pool through a client of its own (the receiver works on its own thread). On one node,
     neither: no TCP socket is bound or connected."""
     t = cfg.transfer
-    if side is TransferSide.SEND:
+    keys = keys or {}
+    sender = receiver = None
+    if side in (TransferSide.SEND, TransferSide.BOTH):
         faults = fault_switch(transfer_fault_source(t))  # None unless a fault drill is configured
         block_size = arena.spec.block_size
-        return KVSender(arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults, block_size, keys), None
-    if side is TransferSide.NONE:
-        return None, None
-    grants = PoolClient(pool_address, pool.worker)
-    grants.epoch = pool.epoch
-    receiver = KVReceiver(
-        arena,
-        arena.spec.block_size,
-        [f"tcp://{t.listen_host}:0"] * t.paths,
-        grants.grant,
-        grants.release,
-        t.timeout,
-        sync.lease.check,
-        sync.decide_move,
-        keys,
-        IncomingLimits.of(t, arena.spec.num_blocks),
-    )
-    return None, receiver
+        sender = KVSender(
+            arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults, block_size, keys.get(TransferSide.SEND)
+        )
+    if side in (TransferSide.RECEIVE, TransferSide.BOTH):
+        grants = PoolClient(pool_address, pool.worker)
+        grants.epoch = pool.epoch
+        receiver = KVReceiver(
+            arena,
+            arena.spec.block_size,
+            [f"tcp://{t.listen_host}:0"] * t.paths,
+            grants.grant,
+            grants.release,
+            t.timeout,
+            sync.lease.check,
+            sync.decide_move,
+            keys.get(TransferSide.RECEIVE),
+            IncomingLimits.of(t, arena.spec.num_blocks),
+        )
+    return sender, receiver
 
 
 def warm_up(engine: Engine) -> None:
@@ -252,7 +264,9 @@ def main() -> None:
     parser.add_argument("--pool", help="ZeroMQ address of the node's kvpool daemon")
     parser.add_argument("--role", type=WorkerRole, choices=list(WorkerRole), default=WorkerRole.MIXED)
     parser.add_argument("--transfer-side", type=TransferSide, choices=list(TransferSide), help="KV wire role")
-    parser.add_argument("--transfer-keys", help="file of this side's CURVE keys for the KV wire (0600)")
+    parser.add_argument(
+        "--transfer-keys", action="append", help="file of a side's CURVE keys for the KV wire (0600; repeat for both)"
+    )
     args = parser.parse_args()
     die_with_parent()
     setup_logging(f"worker{args.worker_id}")

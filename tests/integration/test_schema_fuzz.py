@@ -81,7 +81,9 @@ def _nodeid_for_schemathesis(request):
         request.node._nodeid = request.node.nodeid
 
 
-schema = schemathesis.pytest.from_fixture("api_schema")
+# Draining a worker or restarting them all is what these routes are for, not a fault: a fuzzed call would
+# leave the module's server without a worker. Their inputs are tested in test_migration.py.
+schema = schemathesis.pytest.from_fixture("api_schema").exclude(method="POST", path_regex="drain|rollout")
 
 
 def aim_at_engine(body: Any, model: str) -> None:

@@ -150,18 +150,22 @@ def test_a_one_node_deployment_binds_no_kv_socket_and_a_decode_node_receives_wit
 
     two = launch_sides(tmp_path / "two", "separate")
     sides = {key: side_of(argv) for key, argv in two.items()}
-    # The decode node's standby receives too: promoted, it must take the decode worker's transfers.
+    # A prefill worker only sends; every worker that may decode (standbys too: one may be promoted)
+    # receives (a prefill's KV, a migration's) and sends (a migration away).
     assert sides == {
         ("prefill", 0): TransferSide.SEND,
-        ("decode", 1): TransferSide.RECEIVE,
-        ("standby", 0): TransferSide.SEND,
-        ("standby", 1): TransferSide.RECEIVE,
+        ("decode", 1): TransferSide.BOTH,
+        ("standby", 0): TransferSide.BOTH,
+        ("standby", 1): TransferSide.BOTH,
     }
     for key, argv in two.items():
-        path = argv[argv.index("--transfer-keys") + 1]
-        keys = CurveKeys.load(path)
-        assert keys.side is sides[key] and stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert not any(keys.secret.decode() in arg for arg in argv)  # a path on the command line, never a key
+        paths = [argv[i + 1] for i, a in enumerate(argv) if a == "--transfer-keys"]
+        loaded = [CurveKeys.load(p) for p in paths]
+        want = {TransferSide.SEND, TransferSide.RECEIVE} if sides[key] is TransferSide.BOTH else {sides[key]}
+        assert {k.side for k in loaded} == want and len(paths) == len(want)
+        assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths)
+        for keys in loaded:
+            assert not any(keys.secret.decode() in arg for arg in argv)  # a path on the command line, never a key
 
 
 # --- 2. authentication ----------------------------------------------------------------------------------

@@ -32,7 +32,10 @@ class TransferSide(enum.StrEnum):
 
     NONE = "none"  # one node: KV changes owner in place, no TCP socket at all
     SEND = "send"  # the prefill node's workers: connect out to the decode node's receivers
-    RECEIVE = "receive"  # the decode node's workers, its standbys included (one may be promoted)
+    RECEIVE = "receive"  # a worker started by hand as a decode worker: receives a prefill node's KV
+    # Two-node deployments' workers that decode (the decode node's, a prefill node's mixed workers and
+    # standbys): receive KV (a prefill's, a migration's) and send it (migrating a request away).
+    BOTH = "both"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,166 @@
+"""Live migration of a running request to a worker of another node, the source's side: its KV copied in
+rounds while it keeps decoding here, then a short stop-and-copy, then the commit (ARCHITECTURE.md §5).
+
+One move session per migration (`kv/moves/`, run by the KV sender), named after the migration's move
+(`<request>/migration-<random>/<path>`), so a request can move there and back. The destination reserves
+the blocks the request holds now plus `SLACK_BLOCKS` (it grows while it is copied). Round 1 streams every
+full (sealed, never changing) block; each later round, after a step, what was sealed since the last one;
+once at most `final_stage_blocks` full blocks are left unsent, or after `max_stages` rounds, the request is
+paused (not scheduled; blocks and ownership kept) and the rest goes out with the partial block — padded
+with zeros into the last reserved block, so every reserved slot holds this move's bytes — and the COMMIT.
+Until the COMMIT is acknowledged and decided the request is ours; any failure resumes it here.
+
+In protocol terms the rounds are the parts of the session's one copy stage, streamed before its manifest
+(as a prefill's layers are): the destination verifies them all at the COMMIT.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from steadfast.kv.arena import KVArena
+from steadfast.kv.block_manager import BlockManager
+from steadfast.kv.moves.checks import token_bytes
+from steadfast.kv.moves.packing import layer_span, slots_for
+from steadfast.kv.moves.sender import KVSender
+from steadfast.kv.moves.sender_jobs import TransferOutcome, TransferResult
+from steadfast.protocol import Handoff, Migrate, RequestOutput
+from steadfast.worker.request import Request
+from steadfast.worker.scheduler import Scheduler
+
+SLACK_BLOCKS = 2  # reserved beyond what the request holds at the start: it decodes on while it is copied
+
+
+@dataclass
+class Migrating:
+    request: Request
+    msg: Migrate
+    n_blocks: int  # reserved at the destination
+    sent: int = 0  # tokens whose KV went out (every layer), from 0
+    rounds: int = 0
+    paused_at: float = 0.0  # set at the stop-and-copy
+    ended: bool = False  # the request ended here first: the migration was given up
+    started: float = field(default_factory=time.perf_counter)
+
+
+class OutgoingMigrations:
+    def __init__(self, arena: KVArena, blocks: BlockManager, scheduler: Scheduler, sender: KVSender) -> None:
+        self.arena, self.blocks, self.scheduler, self.sender = arena, blocks, scheduler, sender
+        self.bs = blocks.block_size
+        self._moves: dict[str, Migrating] = {}  # by move name (the sender's key)
+        self._by_request: dict[str, str] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_request
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._moves)
+
+    def paused(self, request_id: str) -> bool:
+        m = self._moves.get(self._by_request.get(request_id, ""))
+        return m is not None and bool(m.paused_at) and not m.ended
+
+    def keys(self) -> list[str]:
+        return [k for k, m in self._moves.items() if not m.ended]
+
+    def begin(self, request: Request, msg: Migrate) -> None:
+        """Reserve at the destination and stream every full block now (round 1)."""
+        n_blocks = -(-request.num_computed // self.bs) + SLACK_BLOCKS
+        m = Migrating(request, msg, n_blocks)
+        self._moves[msg.move] = m
+        self._by_request[request.request_id] = msg.move
+        paths = [(f"path{i}", address) for i, address in enumerate(msg.kv_paths)]
+        self.sender.begin(msg.move, paths, n_blocks * self.bs)
+        self._round(m)
+
+    def after_step(self) -> None:
+        """Another round of what was sealed since the last, or the stop-and-copy and the COMMIT."""
+        for m in list(self._moves.values()):
+            if m.ended or m.paused_at:
+                continue
+            if m.request.num_computed < m.sent or m.request not in self.scheduler.running:
+                self.sender.abort(m.msg.move)  # preempted (its KV freed) or stopped: it runs on here
+                m.ended = True
+                continue
+            full = (m.request.num_computed // self.bs) * self.bs
+            left_blocks = (full - m.sent) // self.bs
+            if m.rounds >= max(1, m.msg.max_stages) or left_blocks <= m.msg.final_stage_blocks:
+                self._final(m)
+            elif left_blocks:
+                self._round(m)
+
+    def _round(self, m: Migrating) -> None:
+        full = (m.request.num_computed // self.bs) * self.bs
+        if full > m.sent:
+            self._send(m, m.sent, full - m.sent, stream=True)
+            m.sent = full
+        m.rounds += 1
+
+    def _final(self, m: Migrating) -> None:
+        r = m.request
+        last = m.n_blocks * self.bs
+        if r.num_computed > last:  # it outgrew the reservation: give up, it runs on here
+            self.sender.abort(m.msg.move)
+            m.ended = True
+            return
+        self.scheduler.detach(r)
+        m.paused_at = time.monotonic()
+        if r.num_computed > m.sent:
+            self._send(m, m.sent, r.num_computed - m.sent, stream=False)
+        # Zeros from here into the last reserved block: no slot of the move keeps its last owner's bytes.
+        end = max(r.num_computed, (m.n_blocks - 1) * self.bs + 1)
+        if end > r.num_computed:
+            zeros = bytes((end - r.num_computed) * token_bytes(self.arena.spec))
+            for layer in range(self.arena.spec.num_layers):
+                self.sender.layer(m.msg.move, layer, r.num_computed, end - r.num_computed, zeros, False)
+        m.sent = end
+        self.sender.commit(m.msg.move)
+
+    def _send(self, m: Migrating, start: int, count: int, stream: bool) -> None:
+        slots = slots_for(self.blocks.block_table(m.request.request_id), self.bs, start, count)
+        for layer in range(self.arena.spec.num_layers):
+            self.sender.layer(m.msg.move, layer, start, count, layer_span(self.arena, layer, slots), stream)
+
+    def ended(self, request: Request) -> None:
+        """The request ended here before its migration committed: the migration is given up."""
+        m = self._moves.get(self._by_request.get(request.request_id, ""))
+        if m is not None and not m.ended:
+            m.ended = True
+            self.sender.abort(m.msg.move)
+            if m.paused_at:
+                self.blocks.free(request.request_id)
+
+    def result(self, r: TransferResult) -> tuple[RequestOutput | None, Request | None] | None:
+        """The outcome of a migration's session (None: `r` is not a migration's). Returns the answer for
+        the router and the request when it left (committed there)."""
+        m = self._moves.pop(r.request_id, None)
+        if m is None:
+            return None
+        request = m.request
+        self._by_request.pop(request.request_id, None)
+        if m.ended:
+            return None, None  # it ended here first (its own last output said so) or outgrew its reservation
+        ok = r.outcome is TransferOutcome.OK
+        h = Handoff(
+            m.msg.to_worker,
+            r.block_ids if ok else [],
+            num_computed=request.num_computed,
+            error="" if ok else f"KV copy to worker {m.msg.to_worker} failed: {r.error}",
+            seconds=time.perf_counter() - m.started,
+            path=r.path or "failed",
+            retries=r.retries,
+            fallbacks=r.fallbacks,
+            bytes=r.bytes,
+            migration=m.msg.move,
+            paused_at=m.paused_at,
+            stages=m.rounds + 1,
+        )
+        out = RequestOutput(request.request_id, [], index=len(request.output_ids), handoff=h)
+        if ok:
+            self.blocks.free(request.request_id)
+            return out, request
+        if m.paused_at:  # it stays: scheduled again at the next step, its blocks untouched
+            self.scheduler.add_running(request)
+        return out, None
