@@ -39,7 +39,7 @@ class MigrationOutcome(enum.StrEnum):
     SWITCHED = "switched"  # the KV is the destination's; its first token not seen yet
     COMMITTED = "committed"  # the destination produced the request's next token
     ABORTED = "aborted"  # the source kept the request (it said why)
-    LOST = "lost"  # source or destination died first: the request was recovered as a takeover
+    LOST = "lost"  # its owner died first (the source, or the destination after the switch): taken over
 
 
 class MigrationError(Exception):
@@ -172,7 +172,9 @@ class Migrations:
             if r.to_worker == worker_id or (r.from_worker == worker_id and r.outcome is MigrationOutcome.RUNNING)
         ]
         for record in gone:
-            self._end(record, MigrationOutcome.LOST, why)
+            # The destination died before the switch: the request never left its source.
+            kept = record.to_worker == worker_id and record.outcome is MigrationOutcome.RUNNING
+            self._end(record, MigrationOutcome.ABORTED if kept else MigrationOutcome.LOST, why)
         return gone
 
     def finished(self, request_id: str) -> None:

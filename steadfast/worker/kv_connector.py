@@ -30,7 +30,7 @@ from steadfast.kv.ledger import ReceiverGoneError
 from steadfast.kv.moves.messages import MoveKind
 from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
-from steadfast.kv.moves.sender import KVSender
+from steadfast.kv.moves.sender import KVSender, path_names
 from steadfast.kv.moves.sender_jobs import TransferOutcome
 from steadfast.protocol import AddRequest, Fallback, FinishReason, Handoff, Migrate, RequestOutput, Route
 from steadfast.worker.kv_migration import OutgoingMigrations
@@ -140,8 +140,8 @@ class KVConnector:
         if not msg.kv_paths or self.sender is None:
             return  # on this node: the handoff happens once the prompt is done
         request.kv_paths = list(msg.kv_paths)
-        names = ["primary", *(f"alternate{i}" if i > 1 else "alternate" for i in range(1, len(msg.kv_paths)))]
-        self.sender.begin(msg.request_id, list(zip(names, msg.kv_paths, strict=True)), len(msg.prompt_ids))
+        paths = list(zip(path_names(len(msg.kv_paths)), msg.kv_paths, strict=True))
+        self.sender.begin(msg.request_id, paths, len(msg.prompt_ids))
         self._out[msg.request_id] = Outgoing(request, MoveKind.TRANSFER, msg.decode_worker, len(msg.prompt_ids))
 
     # --- execute ----------------------------------------------------------------------------------

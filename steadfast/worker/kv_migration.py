@@ -23,7 +23,7 @@ from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.moves.checks import token_bytes
 from steadfast.kv.moves.packing import layer_span, slots_for
-from steadfast.kv.moves.sender import KVSender
+from steadfast.kv.moves.sender import KVSender, path_names
 from steadfast.kv.moves.sender_jobs import TransferOutcome, TransferResult
 from steadfast.protocol import Handoff, Migrate, RequestOutput
 from steadfast.worker.request import Request
@@ -71,7 +71,7 @@ class OutgoingMigrations:
         m = Migrating(request, msg, n_blocks)
         self._moves[msg.move] = m
         self._by_request[request.request_id] = msg.move
-        paths = [(f"path{i}", address) for i, address in enumerate(msg.kv_paths)]
+        paths = list(zip(path_names(len(msg.kv_paths)), msg.kv_paths, strict=True))
         self.sender.begin(msg.move, paths, n_blocks * self.bs)
         self._round(m)
 

@@ -7,6 +7,7 @@ worker produced what), and the drained worker must hold no block when it is gone
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -47,19 +48,31 @@ def server(tmp_path_factory, small_model_path):
 _REFERENCE: dict[int, list[int]] = {}
 
 
-@pytest.fixture
-def want(small_config, small_model, make_engine) -> dict[int, list[int]]:
-    """What an unmigrated run of `body(i)` gives, from the in-process engine (computed once)."""
+def reference(small_config, small_model) -> dict[int, list[int]]:
+    """What an unmigrated run of `body(i)` gives, from the in-process engine, computed once per session
+    (the first two LONG tokens long: a shorter run's are their first ones). The migration modules share it."""
     if not _REFERENCE:
-        reqs = []
-        for i in range(DISTINCT):
-            b = body(i)
-            tokens = LONG if i < 2 else TOKENS
-            params = SamplingParams(tokens, b["temperature"], seed=b.get("seed", 0), ignore_eos=True)
-            reqs.append(AddRequest(f"r{i}", small_model.tokenizer.encode(b["prompt"]), params))
-        out = make_engine(small_config, small_model).generate(reqs)
+        from steadfast.worker.engine import Engine, private_arena
+
+        path = f"/dev/shm/steadfast-test-migration-{os.getpid()}.kv"
+        engine = Engine(small_config, small_model, private_arena(small_config, small_model.model_cfg, path))
+        try:
+            reqs = []
+            for i in range(DISTINCT):
+                b = body(i)
+                tokens = LONG if i < 2 else TOKENS
+                params = SamplingParams(tokens, b["temperature"], seed=b.get("seed", 0), ignore_eos=True)
+                reqs.append(AddRequest(f"r{i}", small_model.tokenizer.encode(b["prompt"]), params))
+            out = engine.generate(reqs)
+        finally:
+            os.unlink(path)
         _REFERENCE.update({i: [t for o in out[f"r{i}"] for t in o.token_ids] for i in range(DISTINCT)})
-    return _REFERENCE  # (the first two LONG tokens long: a shorter run's are their first ones)
+    return _REFERENCE
+
+
+@pytest.fixture
+def want(small_config, small_model) -> dict[int, list[int]]:
+    return reference(small_config, small_model)
 
 
 def client(server: ServerProcess) -> openai.OpenAI:

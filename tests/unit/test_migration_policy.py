@@ -87,7 +87,10 @@ def test_a_migration_ends_exactly_once_and_the_cap_counts_the_running_ones():
     assert m.slots == 2 and m.lost(1, "gone") == [] and record.outcome is MigrationOutcome.COMMITTED
     other = m.begin(flight(21), 0, 1, MigrationReason.DRAIN)
     assert [r.move for r in m.lost(1, "worker 1 died")] == [other.move]
-    assert other.outcome is MigrationOutcome.LOST
+    assert other.outcome is MigrationOutcome.ABORTED  # the destination died first: it stayed at its source
+    fourth = m.begin(flight(23), 0, 1, MigrationReason.DRAIN)
+    assert [r.move for r in m.lost(0, "worker 0 died")] == [fourth.move]
+    assert fourth.outcome is MigrationOutcome.LOST  # the source died: the request was taken over
     switched = flight(22)
     third = m.begin(switched, 0, 1, MigrationReason.DRAIN)
     m.answered(switched.add.request_id, Handoff(1, [5], migration=third.move), 0.0)

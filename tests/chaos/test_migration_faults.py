@@ -1,0 +1,136 @@
+"""Faults during a live migration across nodes, with real processes (`decode_node: separate`, the small
+model, fp32, a standby per node): every data frame lost on every path, `kill -9` of the source mid-copy,
+`kill -9` of the destination mid-copy. Each must end with the request completed exactly once — what the
+client received equal to the in-process engine's stream, no duplicate, no gap — the fault must really have
+happened (the migration's record says how it ended), and both nodes' ledgers must be consistent with no
+block left to the dead.
+
+The fault drills are the KV wire's own (`transfer.faults_file`, read at the start of every move); a
+migration is slowed with `delay_s` so a kill lands while its KV is on the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from steadfast.kv.ledger import BlockState
+from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
+from tests.conftest import wait_until
+from tests.integration.server import serving
+from tests.integration.test_migration import LONG, reference, stream
+
+
+@pytest.fixture
+def want(small_config, small_model) -> dict[int, list[int]]:
+    return reference(small_config, small_model)
+
+
+pytestmark = pytest.mark.chaos
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, small_model_path):
+    tmp = tmp_path_factory.mktemp("migration-faults")
+    url = sqlite_url(str(tmp / "ledger.db"))
+    faults = tmp / "faults"
+    faults.write_text("")
+    cfg = (
+        "model: {dtype: float32, device: cpu}\n"
+        "cache: {kv_memory_mb: 64}\n"
+        "server: {workers: 1, prefill_workers: 1, decode_workers: 1, decode_node: separate, standby_workers: 1,"
+        " threads_per_worker: 1}\n"
+        f"transfer: {{faults_file: '{faults}', timeout: 500ms, retries: 1}}\n"
+        f"fault_recovery: {{kv_cache: {{ledger_url: '{url}'}}}}\n"
+    )
+    with serving(tmp, cfg, model=small_model_path) as s:
+        s.ledger_urls = [url, sibling_ledger_url(url, "-node1")]
+        s.faults = faults
+        yield s
+
+
+def workers(server) -> list[dict]:
+    return httpx.get(server.url + "/admin/workers").json()
+
+
+def run_with_migration(server, i: int, fault: str, to_role: str, kill_role: str = "") -> tuple[list[int], dict]:
+    """Stream `body(i)`; once it decodes on its decode worker, arm `fault`, migrate it to the `to_role`
+    worker (the other node) and, with `kill_role`, kill -9 that worker 0.4 s later. Returns the client's
+    tokens and the migrate call's answer."""
+    answer: dict = {}
+
+    def move(rid: str) -> None:
+        rows = {w["role"]: w for w in workers(server)}
+        server.faults.write_text(fault)
+        if kill_role:
+            threading.Timer(0.4, os.kill, (rows[kill_role]["pid"], signal.SIGKILL)).start()
+        r = httpx.post(server.url + f"/admin/requests/{rid}/migrate", json={"to": rows[to_role]["id"]}, timeout=60)
+        answer.update(status=r.status_code, body=r.json())
+        server.faults.write_text("")
+
+    mover: list[threading.Thread] = []
+
+    def at_token(rid: str, n: int) -> None:
+        if n == 2:
+            mover.append(threading.Thread(target=move, args=(rid,)))
+            mover[0].start()
+
+    _, got, _, finish = stream(server, i, at_token, LONG)
+    mover[0].join()
+    assert finish == "length"
+    return got, answer
+
+
+def record_of(server, answer: dict) -> dict:
+    records = httpx.get(server.url + "/admin/migrations").json()
+    return records[-1]
+
+
+def check_ledgers(server, dead: str = "") -> None:
+    for url in server.ledger_urls:
+        ledger = open_ledger(url)
+        assert ledger.check_integrity() == []
+        if dead:
+            owned = [b for b in ledger.blocks() if b.owner == dead and b.state != BlockState.FREE]
+            assert not owned, owned
+
+
+def test_every_frame_lost_on_every_path_leaves_the_request_running_where_it_was(server, want):
+    got, answer = run_with_migration(server, 0, "drop_every=1,path=*", "mixed")
+    assert got == want[0]
+    assert answer["status"] == 409 and "not migrated" in answer["body"]["error"]["message"], answer
+    record = record_of(server, answer)
+    assert record["outcome"] == "aborted" and "failed" in record["error"], record
+    check_ledgers(server)
+
+
+def test_the_source_killed_mid_copy_the_request_is_taken_over_exactly_once(server, want):
+    decode = next(w for w in workers(server) if w["role"] == "decode")
+    got, answer = run_with_migration(server, 1, "delay_s=0.3,path=*", "mixed", kill_role="decode")
+    assert got == want[1]  # completed once, no duplicate, no gap: the takeover resumed it at the watermark
+    assert answer["status"] == 409, answer
+    assert record_of(server, answer)["outcome"] == "lost"
+    moved = httpx.get(server.url + "/admin/takeovers").json()
+    assert any(t["from_worker"] == decode["id"] for t in moved), moved
+    wait_until(lambda: all(w["id"] != decode["id"] for w in workers(server)), 30, "the dead source dropped")
+    time.sleep(2.5)  # the destination's watchdog: a reservation whose source went quiet is given back
+    check_ledgers(server, dead=f"worker{decode['id']}")
+
+
+def test_the_destination_killed_mid_copy_the_request_stays_at_the_source(server, want):
+    rows = {w["role"]: w for w in workers(server)}
+    wait_until(
+        lambda: any(w["role"] == "decode" and w["state"] == "ready" for w in workers(server)), 60, "a decode worker"
+    )
+    mixed = rows["mixed"]
+    got, answer = run_with_migration(server, 0, "delay_s=0.3,path=*", "mixed", kill_role="mixed")
+    assert got == want[0]
+    assert answer["status"] == 409, answer
+    assert record_of(server, answer)["outcome"] in ("aborted", "lost")
+    wait_until(lambda: all(w["id"] != mixed["id"] for w in workers(server)), 30, "the dead destination dropped")
+    check_ledgers(server, dead=f"worker{mixed['id']}")
