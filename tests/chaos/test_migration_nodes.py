@@ -1,9 +1,12 @@
-"""Faults during a live migration across nodes, with real processes (`decode_node: separate`, the small
-model, fp32, a standby per node): every data frame lost on every path, `kill -9` of the source mid-copy,
-`kill -9` of the destination mid-copy. Each must end with the request completed exactly once — what the
-client received equal to the in-process engine's stream, no duplicate, no gap — the fault must really have
-happened (the migration's record says how it ended), and both nodes' ledgers must be consistent with no
-block left to the dead.
+"""Live migration across nodes, with real processes (`decode_node: separate`, the small model, fp32, a
+standby per node). First without faults: a request prefilled on node 0 and decoding on node 1's decode
+worker is moved to node 0's mixed worker (and back, five times) — its KV copied in rounds while it
+decodes, then stopped and copied, then committed — and the client's stream must equal the in-process
+engine's, token for token, with bytes on the wire for each migration. Then faults: every data frame lost
+on every path, `kill -9` of the source mid-copy, `kill -9` of the destination mid-copy. Each must end with
+the request completed exactly once — what the client received equal to the engine's stream, no duplicate,
+no gap — the fault must really have happened (the migration's record says how it ended), and both nodes'
+ledgers must be consistent with no block left to the dead.
 
 The fault drills are the KV wire's own (`transfer.faults_file`, read at the start of every move); a
 migration is slowed with `delay_s` so a kill lands while its KV is on the wire.
@@ -23,7 +26,7 @@ from steadfast.kv.ledger import BlockState
 from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
 from tests.conftest import wait_until
 from tests.integration.server import serving
-from tests.integration.test_migration import LONG, reference, stream
+from tests.integration.test_migration import LONG, migrate, reference, stream
 
 
 @pytest.fixture
@@ -98,6 +101,39 @@ def check_ledgers(server, dead: str = "") -> None:
         if dead:
             owned = [b for b in ledger.blocks() if b.owner == dead and b.state != BlockState.FREE]
             assert not owned, owned
+
+
+def roles(server) -> dict[str, int]:
+    return {w["role"]: w["id"] for w in httpx.get(server.url + "/admin/workers").json()}
+
+
+@pytest.mark.parametrize(("i", "times"), [(0, 5), (1, 1)], ids=["greedy-5", "seeded-1"])
+def test_a_stream_migrated_across_nodes_is_token_exact(server, want, i, times):
+    ids = roles(server)
+    mixed, decode = ids["mixed"], ids["decode"]
+    done: list[dict] = []
+
+    def move(rid: str) -> None:
+        for k in range(times):
+            to = mixed if k % 2 == 0 else decode  # it decodes on the decode node first
+            done.append(migrate(server, rid, to))
+
+    mover: list[threading.Thread] = []
+
+    def at_token(rid: str, n: int) -> None:
+        if n == 2:
+            mover.append(threading.Thread(target=move, args=(rid,)))
+            mover[0].start()
+
+    _, got, _, finish = stream(server, i, at_token, LONG)
+    mover[0].join()
+    assert finish == "length" and got == want[i]
+    assert len(done) == times
+    for k, record in enumerate(done):
+        assert record["outcome"] == "committed" and record["path"] in ("primary", "alternate"), record
+        assert record["to_worker"] == (mixed if k % 2 == 0 else decode)
+        assert record["bytes"] > 0 and record["stages"] >= 2 and record["downtime_ms"] is not None
+    check_ledgers(server)
 
 
 def test_every_frame_lost_on_every_path_leaves_the_request_running_where_it_was(server, want):
