@@ -26,7 +26,7 @@ from steadfast.kv.ledger import BlockState
 from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
 from tests.conftest import wait_until
 from tests.integration.server import serving
-from tests.integration.test_migration import LONG, migrate, reference, stream
+from tests.integration.test_migration import migrate, reference, stream_moved
 
 
 @pytest.fixture
@@ -76,15 +76,7 @@ def run_with_migration(server, i: int, fault: str, to_role: str, kill_role: str 
         answer.update(status=r.status_code, body=r.json())
         server.faults.write_text("")
 
-    mover: list[threading.Thread] = []
-
-    def at_token(rid: str, n: int) -> None:
-        if n == 2:
-            mover.append(threading.Thread(target=move, args=(rid,)))
-            mover[0].start()
-
-    _, got, _, finish = stream(server, i, at_token, LONG)
-    mover[0].join()
+    got, finish = stream_moved(server, i, 2, move)
     assert finish == "length"
     return got, answer
 
@@ -118,15 +110,7 @@ def test_a_stream_migrated_across_nodes_is_token_exact(server, want, i, times):
             to = mixed if k % 2 == 0 else decode  # it decodes on the decode node first
             done.append(migrate(server, rid, to))
 
-    mover: list[threading.Thread] = []
-
-    def at_token(rid: str, n: int) -> None:
-        if n == 2:
-            mover.append(threading.Thread(target=move, args=(rid,)))
-            mover[0].start()
-
-    _, got, _, finish = stream(server, i, at_token, LONG)
-    mover[0].join()
+    got, finish = stream_moved(server, i, 2, move)
     assert finish == "length" and got == want[i]
     assert len(done) == times
     for k, record in enumerate(done):

@@ -325,7 +325,9 @@ def test_kv_streamed_to_another_node_gives_exact_output(
                     assert h.fallbacks == (1 if path == "alternate" else 0), h
                 else:  # every path failed: a clear error, and the decode worker computed the prompt
                     assert h.fallback == "recompute" and "every path failed" in h.error and h.fallbacks == 2, h
-                assert (h.retries > 0) == resends, h
+                # Which requests' chunks a `drop_every`/`corrupt_every` hits depends on how their prefills
+                # were batched (the count runs across requests): the case as a whole must have resent.
+                assert h.retries == 0 or resends, h
                 assert nodes.a.origin[(rid, 0)] == prefill
                 assert {nodes.a.origin[(rid, o.index)] for o in got[rid][1:]} == {1}, rid
                 first = got[rid][1]  # the decode worker's first output: where its KV came from
@@ -334,6 +336,7 @@ def test_kv_streamed_to_another_node_gives_exact_output(
                 else:  # computed there (less what its prefix cache held: the shared system prompt)
                     want = ("rebuild", 0, len(r.prompt_ids) + 1 - first.num_cached_tokens)
                 assert (first.route, first.adopted_tokens, first.recomputed_tokens) == want, (rid, first)
+            assert any(outcome[r.request_id].retries > 0 for r in reqs) == resends, (case, outcome)
         # The switch was read for each faulty case's transfers (the drop/corrupt resends and the
         # dead paths show their effect above; a delay shows nowhere else).
         logs = (nodes.a.log_text("worker0") + nodes.a.log_text("worker2")).splitlines()

@@ -115,6 +115,21 @@ def migrate(server: ServerProcess, rid: str, to: int | None, mode: str = "kv") -
     return r.json()
 
 
+def stream_moved(server: ServerProcess, i: int, at: int, move) -> tuple[list[int], str | None]:
+    """Stream `body(i)` LONG tokens; once its client has `at` tokens, `move(request id)` runs on a thread
+    (the server runs ahead of what the client has read). Returns the tokens and the finish reason."""
+    mover: list[threading.Thread] = []
+
+    def at_token(rid: str, n: int) -> None:
+        if n == at and not mover:
+            mover.append(threading.Thread(target=move, args=(rid,)))
+            mover[0].start()
+
+    _, got, _, finish = stream(server, i, at_token, LONG)
+    mover[0].join()
+    return got, finish
+
+
 def owner(server: ServerProcess) -> int:
     """The worker with a request in flight (these tests run one stream at a time)."""
     rows = httpx.get(server.url + "/admin/workers").json()
@@ -133,15 +148,7 @@ def test_a_stream_migrated_on_its_node_is_token_exact(server, want, i, times):
             source = owner(server)
             done.append(migrate(server, rid, 1 - source) | {"was": source})
 
-    mover: list[threading.Thread] = []
-
-    def at_token(rid: str, n: int) -> None:
-        if n == 1:
-            mover.append(threading.Thread(target=move, args=(rid,)))
-            mover[0].start()
-
-    _, got, _, finish = stream(server, i, at_token, LONG)
-    mover[0].join()
+    got, finish = stream_moved(server, i, 1, move)
     assert finish == "length" and got == want[i]
     assert len(done) == times
     for k, record in enumerate(done):
