@@ -151,6 +151,11 @@ class Engine:
         self._admit(request, detok)
         self.scheduler.add(request)
 
+    def take_pending(self) -> list[RequestOutput]:
+        """Outputs made outside a step (a migration's answer): sent now rather than after the next step."""
+        pending, self._pending = self._pending, []
+        return pending
+
     def _admit(self, request: Request, detok: Detokenizer) -> None:
         self.requests[request.request_id] = request
         self._detok[request.request_id] = detok

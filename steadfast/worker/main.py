@@ -120,6 +120,10 @@ class WorkerLoop:
                             engine.abort(request_id)
                     elif isinstance(msg, Migrate):
                         engine.migrate(msg)
+                        # Its answer goes now: waiting for the next step would keep the request in no
+                        # batch (and its client waiting) for a whole step of the others.
+                        if answers := engine.take_pending():
+                            self.outbox.send(StepOutputs(self.worker_id, answers))
                     elif isinstance(msg, Retire):
                         log.info("retiring (%s)", msg.reason or "drained")
                         self.leave()
