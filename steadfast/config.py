@@ -336,8 +336,9 @@ class TransferConfig:
     # The chain's last step, after every path failed: the decode worker computes the prompt itself
     # (true), or the request ends with an error saying why (false).
     recompute: bool = True
-    # Fault drill on the sending side (tests, chaos), e.g. "drop_every=2,path=primary" (keys: delay_s,
-    # drop_every, corrupt_every, stall_every, stall_s, path). Empty: STEADFAST_TRANSFER_FAULTS, if set.
+    # Fault drill (tests, chaos), e.g. "drop_every=2,path=primary". Keys: on the sending side delay_s,
+    # drop_every, corrupt_every, stall_every, stall_s; on the receiving side drop_acks (COMMIT acks lost per
+    # session), hold_s (a session's stage held this long); path. Empty: STEADFAST_TRANSFER_FAULTS, if set.
     faults: str = ""
     # A file holding the same text, read again at the start of every transfer (a drill can change it
     # while the server runs); wins over `faults`. Empty: STEADFAST_TRANSFER_FAULTS_FILE, if set.

@@ -137,6 +137,7 @@ class Migrate(msgspec.Struct, tag="migrate", array_like=True, omit_defaults=True
     kv_paths: list[str] = []
     max_stages: int = 4
     final_stage_blocks: int = 2
+    timeout_s: float = 10.0  # not committed by then: given up, and it runs on here
 
 
 class Retire(msgspec.Struct, tag="retire", array_like=True):
@@ -188,6 +189,7 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     step_tokens: float = 0.0  # mean tokens computed per step since the last report
     node: str = ""  # which node's KV pool the worker uses: workers of one node hand KV over in place
     kv_addresses: list[str] = []  # where this worker receives KV from other nodes (primary, alternates)
+    kv_blocks_incoming: int = 0  # held by its receiver for moves not yet claimed (reserved or committed)
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):

@@ -16,6 +16,7 @@ from steadfast.control.tags import request_tag
 WORKER_ID_MAX = 2**31 - 1
 # Besides the app-wide errors: what a move that cannot start, or does not finish in time, answers.
 CONFLICT = {409: {"description": "the move cannot start now, or the source kept the request", "model": ErrorBody}}
+ANSWER_MARGIN_S = 2.0  # past migration.timeout the source gives up and says so: wait for that answer too
 TIMEOUT = {504: {"description": "no outcome within migration.timeout (it may still commit)", "model": ErrorBody}}
 
 
@@ -41,6 +42,7 @@ def record_view(r: MigrationRecord) -> dict[str, Any]:
         "stages": r.stages,
         "blocks": r.blocks,
         "bytes": r.bytes,
+        "retries": r.retries,
         "downtime_ms": ms(r.downtime_s),
         "gap_ms": ms(r.gap_s),
         "duration_ms": ms(r.seconds),
@@ -66,18 +68,23 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/admin/requests/{request_id}/migrate", responses={**CONFLICT, **TIMEOUT})
     async def migrate(request_id: str, body: MigrateBody | None = None) -> dict[str, Any]:
         """Move a running request to worker `to` (or the policy's choice) and wait for the outcome, at
-        most `migration.timeout`. 200 with the record when it committed; 409 when it cannot start or
-        the source kept the request; 504 when no outcome came in time (it may still commit)."""
+        most `migration.timeout` (and 2 s for the source's answer). 200 with the record when it committed;
+        409 when it cannot start or the source kept the request; 504 when no outcome came in time."""
         if len(request_id) > 256:
             raise APIError("request id too long", 400, param="request_id")
         try:
             body = body or MigrateBody()
-            record = await client.migrate_and_wait(request_id, body.to, client.migrations.cfg.timeout, body.mode)
+            wait = client.migrations.cfg.timeout + ANSWER_MARGIN_S
+            record = await client.migrate_and_wait(request_id, body.to, wait, body.mode)
         except MigrationError as exc:
             raise fail(exc) from None
         view = record_view(record)
         if not record.done:
-            raise APIError(f"migration not done within {client.migrations.cfg.timeout:g}s: {view}", 504, "server_error")
+            why = (
+                f"migration of {view['request']} from worker {record.from_worker} to {record.to_worker} still"
+                f" {record.outcome.value} after {wait:g}s; GET /admin/migrations shows how it ends"
+            )
+            raise APIError(why, 504, "server_error")
         if record.outcome != "committed":
             raise APIError(f"request not migrated ({record.outcome}): {record.error}", 409, code="not_migrated")
         return view

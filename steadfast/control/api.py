@@ -155,6 +155,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "node": w.node,  # its kvpool's address: workers of one node hand KV over in place
                     "kv_blocks_used": s.kv_blocks_used if s else 0,
                     "kv_blocks_total": s.kv_blocks_total if s else 0,
+                    "kv_blocks_incoming": s.kv_blocks_incoming if s else 0,  # held for moves not yet claimed
                     "running": s.num_running if s else 0,
                     "waiting": s.num_waiting if s else 0,
                     "in_flight": w.load,

@@ -421,7 +421,9 @@ class EngineClient:
                 raise MigrationError(f"worker {target.worker_id} is on another node and receives no KV", 409)
         record = self.migrations.begin(flight, source.worker_id, target.worker_id, reason)
         cfg = self.migrations.cfg
-        ask = Migrate(request_id, target.worker_id, record.move, paths, cfg.max_stages, cfg.final_stage_blocks)
+        ask = Migrate(
+            request_id, target.worker_id, record.move, paths, cfg.max_stages, cfg.final_stage_blocks, cfg.timeout
+        )
         if not await self._send(source, ask):
             self._ended(self.migrations.answered(request_id, Handoff(target.worker_id, error="not sent"), 0.0))
         return record

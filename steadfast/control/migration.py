@@ -65,6 +65,7 @@ class MigrationRecord:
     stages: int = 0
     bytes: int = 0
     blocks: int = 0
+    retries: int = 0  # messages the wire sent again (a lost frame, an unanswered COMMIT)
     error: str = ""
     paused_at: float = 0.0  # the source's clock when the request last ran there
     switched_at: float = 0.0  # when the router switched delivery to the destination
@@ -136,6 +137,7 @@ class Migrations:
         if record is None or record.move != h.migration:
             return None
         record.path, record.stages, record.bytes, record.blocks = h.path, h.stages, h.bytes, len(h.block_ids)
+        record.retries = h.retries
         record.paused_at, record.last_token_at = h.paused_at, last_token_at
         if h.error:
             self._end(record, MigrationOutcome.ABORTED, h.error)

@@ -30,8 +30,9 @@ from steadfast.kv.ledger import ReceiverGoneError
 from steadfast.kv.moves.messages import MoveKind
 from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
-from steadfast.kv.moves.sender import KVSender, path_names
+from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.sender_jobs import TransferOutcome
+from steadfast.kv.moves.transport import path_names
 from steadfast.protocol import AddRequest, Fallback, FinishReason, Handoff, Migrate, RequestOutput, Route
 from steadfast.worker.kv_migration import OutgoingMigrations
 from steadfast.worker.ledger_sync import LedgerSync
@@ -203,7 +204,11 @@ class KVConnector:
             return [], []
         migrating = self.migrations.keys() if self.migrations is not None else []
         self.sender.touch([rid for rid, move in self._out.items() if not move.ended] + migrating)
-        outputs, gone = [], []
+        outputs: list[RequestOutput] = []
+        gone: list[Request] = []
+        if self.migrations is not None:
+            self.migrations.expire()
+            outputs, self.migrations.answers = self.migrations.answers, []
         for r in self.sender.results():
             migrated = self.migrations.result(r) if self.migrations is not None else None
             if migrated is not None:

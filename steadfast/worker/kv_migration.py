@@ -8,7 +8,9 @@ full (sealed, never changing) block; each later round, after a step, what was se
 once at most `final_stage_blocks` full blocks are left unsent, or after `max_stages` rounds, the request is
 paused (not scheduled; blocks and ownership kept) and the rest goes out with the partial block — padded
 with zeros into the last reserved block, so every reserved slot holds this move's bytes — and the COMMIT.
-Until the COMMIT is acknowledged and decided the request is ours; any failure resumes it here.
+Until the COMMIT is acknowledged and decided the request is ours; any failure resumes it here, and so does
+`timeout_s` passing first (the move is aborted): the router hears why, at once, in every case but one — the
+request ended here, which its own last output says.
 
 In protocol terms the rounds are the parts of the session's one copy stage, streamed before its manifest
 (as a prefill's layers are): the destination verifies them all at the COMMIT.
@@ -23,8 +25,9 @@ from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.moves.checks import token_bytes
 from steadfast.kv.moves.packing import layer_span, slots_for
-from steadfast.kv.moves.sender import KVSender, path_names
+from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.sender_jobs import TransferOutcome, TransferResult
+from steadfast.kv.moves.transport import path_names
 from steadfast.protocol import Handoff, Migrate, RequestOutput
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import Scheduler
@@ -40,7 +43,7 @@ class Migrating:
     sent: int = 0  # tokens whose KV went out (every layer), from 0
     rounds: int = 0
     paused_at: float = 0.0  # set at the stop-and-copy
-    ended: bool = False  # the request ended here first: the migration was given up
+    ended: bool = False  # given up (the request ended here, or `give_up`): the sender's result is ignored
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -50,6 +53,7 @@ class OutgoingMigrations:
         self.bs = blocks.block_size
         self._moves: dict[str, Migrating] = {}  # by move name (the sender's key)
         self._by_request: dict[str, str] = {}
+        self.answers: list[RequestOutput] = []  # migrations given up here, for the router
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_request
@@ -81,8 +85,7 @@ class OutgoingMigrations:
             if m.ended or m.paused_at:
                 continue
             if m.request.num_computed < m.sent or m.request not in self.scheduler.running:
-                self.sender.abort(m.msg.move)  # preempted (its KV freed) or stopped: it runs on here
-                m.ended = True
+                self._give_up(m, "preempted here while its KV was copied")  # its KV freed: it runs on here
                 continue
             full = (m.request.num_computed // self.bs) * self.bs
             left_blocks = (full - m.sent) // self.bs
@@ -90,6 +93,14 @@ class OutgoingMigrations:
                 self._final(m)
             elif left_blocks:
                 self._round(m)
+
+    def expire(self) -> None:
+        """Give up every migration past its timeout (asked at every step, run or not: a paused request
+        whose copy stalled is in no batch)."""
+        now = time.perf_counter()
+        for m in self._moves.values():
+            if not m.ended and now - m.started > m.msg.timeout_s:
+                self._give_up(m, f"not committed within {m.msg.timeout_s:g}s (migration.timeout)")
 
     def _round(self, m: Migrating) -> None:
         full = (m.request.num_computed // self.bs) * self.bs
@@ -101,9 +112,8 @@ class OutgoingMigrations:
     def _final(self, m: Migrating) -> None:
         r = m.request
         last = m.n_blocks * self.bs
-        if r.num_computed > last:  # it outgrew the reservation: give up, it runs on here
-            self.sender.abort(m.msg.move)
-            m.ended = True
+        if r.num_computed > last:
+            self._give_up(m, f"it outgrew the {m.n_blocks} blocks reserved at the destination while copied")
             return
         self.scheduler.detach(r)
         m.paused_at = time.monotonic()
@@ -117,6 +127,32 @@ class OutgoingMigrations:
                 self.sender.layer(m.msg.move, layer, r.num_computed, end - r.num_computed, zeros, False)
         m.sent = end
         self.sender.commit(m.msg.move)
+
+    def _give_up(self, m: Migrating, why: str) -> None:
+        """Abort the move; the request runs on here (scheduled again if it was paused) and the router
+        is told why now, whatever the sender is doing."""
+        m.ended = True
+        self.sender.abort(m.msg.move)
+        if m.paused_at:
+            self.scheduler.add_running(m.request)
+        self.answers.append(self._answer(m, f"KV copy to worker {m.msg.to_worker} given up: {why}"))
+
+    def _answer(self, m: Migrating, error: str, r: TransferResult | None = None) -> RequestOutput:
+        h = Handoff(
+            m.msg.to_worker,
+            r.block_ids if r is not None and not error else [],
+            num_computed=m.request.num_computed,
+            error=error,
+            seconds=time.perf_counter() - m.started,
+            path=(r.path if r is not None else "") or "failed",
+            retries=r.retries if r is not None else 0,
+            fallbacks=r.fallbacks if r is not None else 0,
+            bytes=r.bytes if r is not None else 0,
+            migration=m.msg.move,
+            paused_at=m.paused_at,
+            stages=m.rounds + 1,
+        )
+        return RequestOutput(m.request.request_id, [], index=len(m.request.output_ids), handoff=h)
 
     def _send(self, m: Migrating, start: int, count: int, stream: bool) -> None:
         slots = slots_for(self.blocks.block_table(m.request.request_id), self.bs, start, count)
@@ -141,23 +177,9 @@ class OutgoingMigrations:
         request = m.request
         self._by_request.pop(request.request_id, None)
         if m.ended:
-            return None, None  # it ended here first (its own last output said so) or outgrew its reservation
+            return None, None  # given up first: the router heard then (or from the request's last output)
         ok = r.outcome is TransferOutcome.OK
-        h = Handoff(
-            m.msg.to_worker,
-            r.block_ids if ok else [],
-            num_computed=request.num_computed,
-            error="" if ok else f"KV copy to worker {m.msg.to_worker} failed: {r.error}",
-            seconds=time.perf_counter() - m.started,
-            path=r.path or "failed",
-            retries=r.retries,
-            fallbacks=r.fallbacks,
-            bytes=r.bytes,
-            migration=m.msg.move,
-            paused_at=m.paused_at,
-            stages=m.rounds + 1,
-        )
-        out = RequestOutput(request.request_id, [], index=len(request.output_ids), handoff=h)
+        out = self._answer(m, "" if ok else f"KV copy to worker {m.msg.to_worker} failed: {r.error}", r)
         if ok:
             self.blocks.free(request.request_id)
             return out, request

@@ -91,6 +91,7 @@ class WorkerLoop:
             step_tokens=(e.step_tokens - tokens0) / steps if steps else 0.0,
             node=self.node,
             kv_addresses=e.kv.receiver.addresses if e.kv.receiver is not None else [],
+            kv_blocks_incoming=e.kv.receiver.held_blocks if e.kv.receiver is not None else 0,
         )
 
     def _report(self, force: bool = False) -> None:
@@ -220,8 +221,8 @@ def _other_nodes(
     t = cfg.transfer
     keys = keys or {}
     sender = receiver = None
+    faults = fault_switch(transfer_fault_source(t))  # None unless a fault drill is configured
     if side in (TransferSide.SEND, TransferSide.BOTH):
-        faults = fault_switch(transfer_fault_source(t))  # None unless a fault drill is configured
         block_size = arena.spec.block_size
         sender = KVSender(
             arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults, block_size, keys.get(TransferSide.SEND)
@@ -240,6 +241,7 @@ def _other_nodes(
             sync.decide_move,
             keys.get(TransferSide.RECEIVE),
             IncomingLimits.of(t, arena.spec.num_blocks),
+            faults,
         )
     return sender, receiver
 

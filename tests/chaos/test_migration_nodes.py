@@ -3,13 +3,15 @@ standby per node). First without faults: a request prefilled on node 0 and decod
 worker is moved to node 0's mixed worker (and back, five times) — its KV copied in rounds while it
 decodes, then stopped and copied, then committed — and the client's stream must equal the in-process
 engine's, token for token, with bytes on the wire for each migration. Then faults: every data frame lost
-on every path, `kill -9` of the source mid-copy, `kill -9` of the destination mid-copy. Each must end with
-the request completed exactly once — what the client received equal to the engine's stream, no duplicate,
-no gap — the fault must really have happened (the migration's record says how it ended), and both nodes'
-ledgers must be consistent with no block left to the dead.
+on every path, the COMMIT ack lost, a copy stage held past `migration.timeout`, `kill -9` of the source
+mid-copy, `kill -9` of the destination mid-copy. Each must end with the request completed exactly once —
+what the client received equal to the engine's stream, no duplicate, no gap — the fault must really have
+happened (the migration's record says how it ended; a drill's log line says it acted), and `check_node`
+must be clean on both pools, with no block left to the dead and none held for a move once all is idle.
 
-The fault drills are the KV wire's own (`transfer.faults_file`, read at the start of every move); a
-migration is slowed with `delay_s` so a kill lands while its KV is on the wire.
+The fault drills are the KV wire's own (`transfer.faults_file`, read at the start of every move; the
+receiver's `drop_acks` and `hold_s` at every session it opens); a migration is slowed with `delay_s` so a
+kill lands while its KV is on the wire.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import time
 import httpx
 import pytest
 
+from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger import BlockState
-from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
+from steadfast.kv.ledger_url import open_ledger, sqlite_url
+from steadfast.kv.pool_client import PoolClient, map_arena
 from tests.conftest import wait_until
 from tests.integration.server import serving
 from tests.integration.test_migration import migrate, reference, stream_moved
@@ -35,6 +39,8 @@ def want(small_config, small_model) -> dict[int, list[int]]:
 
 
 pytestmark = pytest.mark.chaos
+
+MIGRATION_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +54,11 @@ def server(tmp_path_factory, small_model_path):
         "cache: {kv_memory_mb: 64}\n"
         "server: {workers: 1, prefill_workers: 1, decode_workers: 1, decode_node: separate, standby_workers: 1,"
         " threads_per_worker: 1}\n"
-        f"transfer: {{faults_file: '{faults}', timeout: 500ms, retries: 1}}\n"
+        f"transfer: {{faults_file: '{faults}', timeout: 500ms, retries: 3}}\n"
+        f"migration: {{timeout: {MIGRATION_TIMEOUT_S}s}}\n"
         f"fault_recovery: {{kv_cache: {{ledger_url: '{url}'}}}}\n"
     )
     with serving(tmp, cfg, model=small_model_path) as s:
-        s.ledger_urls = [url, sibling_ledger_url(url, "-node1")]
         s.faults = faults
         yield s
 
@@ -86,13 +92,26 @@ def record_of(server, answer: dict) -> dict:
     return records[-1]
 
 
-def check_ledgers(server, dead: str = "") -> None:
-    for url in server.ledger_urls:
-        ledger = open_ledger(url)
-        assert ledger.check_integrity() == []
+def check_pools(server, dead: str = "") -> None:
+    """`check_node` on every node (ledger against itself and the arena's bytes), no block left to `dead`,
+    and, once nothing runs, none held by a worker for a request or a move."""
+    nodes = []
+    for address in server.pool_addresses():
+        reply = PoolClient(address, "inspector").attach(os.getpid())
+        nodes.append((open_ledger(reply.ledger_url), map_arena(reply)))
+    assert len(nodes) == 2, server.pool_addresses()
+    for ledger, arena in nodes:
+        assert check_node(ledger, arena) == []
         if dead:
             owned = [b for b in ledger.blocks() if b.owner == dead and b.state != BlockState.FREE]
             assert not owned, owned
+
+    def idle() -> bool:
+        ready = [w for w in workers(server) if w["state"] == "ready"]
+        return all(w["kv_blocks_used"] == 0 and w["kv_blocks_incoming"] == 0 for w in ready)
+
+    # Once nothing runs, no worker holds a block for a request or for a move (reserved, or never claimed).
+    wait_until(idle, 15, "every block given back")
 
 
 def roles(server) -> dict[str, int]:
@@ -117,7 +136,7 @@ def test_a_stream_migrated_across_nodes_is_token_exact(server, want, i, times):
         assert record["outcome"] == "committed" and record["path"] in ("primary", "alternate"), record
         assert record["to_worker"] == (mixed if k % 2 == 0 else decode)
         assert record["bytes"] > 0 and record["stages"] >= 2 and record["downtime_ms"] is not None
-    check_ledgers(server)
+    check_pools(server)
 
 
 def test_every_frame_lost_on_every_path_leaves_the_request_running_where_it_was(server, want):
@@ -126,7 +145,28 @@ def test_every_frame_lost_on_every_path_leaves_the_request_running_where_it_was(
     assert answer["status"] == 409 and "not migrated" in answer["body"]["error"]["message"], answer
     record = record_of(server, answer)
     assert record["outcome"] == "aborted" and "failed" in record["error"], record
-    check_ledgers(server)
+    check_pools(server)
+
+
+def test_the_commit_ack_lost_is_asked_again_and_the_migration_commits(server, want):
+    got, answer = run_with_migration(server, 1, "drop_acks=1,path=*", "mixed")
+    assert got == want[1]
+    assert answer["status"] == 200, answer
+    record = answer["body"]
+    assert record["outcome"] == "committed" and record["retries"] >= 1, record  # the COMMIT was sent again
+    assert "fault drill: its COMMIT ack is dropped" in server.output()
+    check_pools(server)
+
+
+def test_a_stage_held_past_the_timeout_is_aborted_and_the_request_runs_on(server, want):
+    held = f"hold_s={MIGRATION_TIMEOUT_S + 2},path=*"
+    got, answer = run_with_migration(server, 0, held, "mixed")
+    assert got == want[0]  # never paused for good: it kept decoding at the source, exactly
+    assert answer["status"] == 409, answer
+    record = record_of(server, answer)
+    assert record["outcome"] == "aborted" and "migration.timeout" in record["error"], record
+    assert "fault drill: its stage is held" in server.output()
+    check_pools(server)
 
 
 def test_the_source_killed_mid_copy_the_request_is_taken_over_exactly_once(server, want):
@@ -139,7 +179,7 @@ def test_the_source_killed_mid_copy_the_request_is_taken_over_exactly_once(serve
     assert any(t["from_worker"] == decode["id"] for t in moved), moved
     wait_until(lambda: all(w["id"] != decode["id"] for w in workers(server)), 30, "the dead source dropped")
     time.sleep(2.5)  # the destination's watchdog: a reservation whose source went quiet is given back
-    check_ledgers(server, dead=f"worker{decode['id']}")
+    check_pools(server, dead=f"worker{decode['id']}")
 
 
 def test_the_destination_killed_mid_copy_the_request_stays_at_the_source(server, want):
@@ -153,4 +193,4 @@ def test_the_destination_killed_mid_copy_the_request_stays_at_the_source(server,
     assert answer["status"] == 409, answer
     assert record_of(server, answer)["outcome"] in ("aborted", "lost")
     wait_until(lambda: all(w["id"] != mixed["id"] for w in workers(server)), 30, "the dead destination dropped")
-    check_ledgers(server, dead=f"worker{mixed['id']}")
+    check_pools(server, dead=f"worker{mixed['id']}")

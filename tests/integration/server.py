@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,6 +67,11 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
+
+    def pool_addresses(self) -> list[str]:
+        """The kvpool daemons' sockets (one per node), in the launcher's run directory."""
+        runs = Path(tempfile.gettempdir()).glob(f"steadfast-{os.geteuid()}-{self.proc.pid}-*")
+        return sorted(f"ipc://{p}" for run in runs for p in run.glob("kvpool*") if stat.S_ISSOCK(p.stat().st_mode))
 
     def output(self) -> str:
         self.log.flush()

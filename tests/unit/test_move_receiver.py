@@ -1,7 +1,8 @@
 """The KV receiver as a move session destination, driven message by message over a real ZeroMQ socket (a
 test DEALER playing the source): PREALLOC reserves, the decision is recorded once in a real SQLite ledger
 and a retried ask hears the same answer, a session never prepared cannot be recorded COMMITTED, a late
-PREALLOC of an ended session reserves nothing, and malformed or out-of-range messages harm nothing."""
+PREALLOC of an ended session reserves nothing, malformed or out-of-range messages harm nothing, and the
+receiver's own fault drills (a lost COMMIT ack, a held stage) do what they say."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from steadfast.kv.arena import ArenaSpec, KVArena
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.moves.checks import Drop
 from steadfast.kv.moves.curve import CurveKeys, as_client
+from steadfast.kv.moves.faults import TransportFaults
 from steadfast.kv.moves.messages import Abort, AbortReason, Commit, CommitAck, Copy, MoveOutcome, Prealloc, Reserved
 from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
@@ -143,3 +145,51 @@ def test_bad_messages_are_refused_and_harm_nothing(setup):
     assert src.answer() == Abort("r/0", AbortReason.DESTINATION_ABORT)
     assert len(pool.free) == SPEC.num_blocks and rx.reserved_blocks == 0
     assert rx.dropped[Drop.UNDECODABLE] == 1 and rx.dropped[Drop.SPAN] == 1
+
+
+def test_the_receivers_drills_lose_a_commit_ack_and_hold_a_stage(tmp_path):
+    """`drop_acks=1`: the first prepared ack of each session never leaves, the resent COMMIT's does.
+    `hold_s`: a session's frames wait from its first one, while an ABORT still gets through at once."""
+    spec = {"text": "drop_acks=1"}
+    arena = KVArena.create_device(SPEC, "cpu")
+    pool = FakePool(SPEC.num_blocks)
+    rx = KVReceiver(
+        arena, SPEC.block_size, ["tcp://127.0.0.1:0"], pool.grant, pool.release, 5.0,
+        faults=lambda: TransportFaults.parse(spec["text"]),
+    )  # fmt: skip
+    src = Source(rx.addresses[0])
+    try:
+        source_arena = KVArena.create_device(SPEC, "cpu")
+        source_arena.tensor.normal_()
+        src.send(Prealloc("a/0", 2))
+        blocks = list(src.answer().block_ids)
+        for f in frames("a/0", source_arena, [0, 1], 6):
+            src.send(f)
+        src.send(Copy("a/0", 0, (0, 1), True, parts=2))
+        src.send(Commit("a/0", 0, 1))
+        assert src.silent(0.5)  # prepared, but the ack was dropped
+        src.send(Commit("a/0", 1, 1))
+        assert src.answer() == CommitAck("a/0", 1)
+
+        spec["text"] = "hold_s=1.0"
+        src.send(Prealloc("b/0", 2))
+        held = list(src.answer().block_ids)
+        for f in frames("b/0", source_arena, [0, 1], 6):
+            src.send(f)
+        src.send(Copy("b/0", 0, (0, 1), True, parts=2))
+        src.send(Commit("b/0", 0, 1))
+        assert src.silent(0.6)  # held: no ack yet
+        assert src.answer(2.0) == CommitAck("b/0", 0)  # then handled, in order
+        assert len(pool.free) == SPEC.num_blocks - len(blocks) - len(held)
+
+        src.send(Prealloc("c/0", 2))
+        assert isinstance(src.answer(), Reserved)
+        src.send(frames("c/0", source_arena, [0, 1], 6)[0])  # its stage is held from here
+        src.send(Abort("c/0", AbortReason.SOURCE_ABORT))  # the source gave up: its blocks come back now
+        deadline = time.monotonic() + 0.5
+        while len(pool.free) < SPEC.num_blocks - 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(pool.free) == SPEC.num_blocks - 4
+    finally:
+        rx.close()
+        src.sock.close()

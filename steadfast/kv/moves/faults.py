@@ -1,6 +1,8 @@
 """Fault injection for KV transfers (tests, chaos drills): `TransportFaults` says what to do to chunks
 (delay, drop, corrupt, stall) of data frames and on which path; `FaultyPath` wraps any `Transport` and does it on the
-sending side, behind the same interface, so neither the real path nor the receiver knows about drills.
+sending side, behind the same interface, so the real path never knows about drills. Two faults only the
+destination can make: a lost COMMIT ack and a stage the destination sits on; the receiver reads them from the
+same spec (`drop_acks`, `hold_s`) and applies them to the sessions it opens while they are armed.
 
 Where the fault spec comes from (config, or the variables `steadfast.env` reads) is `steadfast.env`'s
 business: this module must never read the environment or a file, and must never retry or resend.
@@ -24,14 +26,18 @@ FaultSwitch = Callable[[], "TransportFaults | None"]
 
 @dataclass(frozen=True)
 class TransportFaults:
-    """Faults injected on the sending side of one path (tests, chaos drills). `every`: which chunks
-    (1 = all, 3 = every third). A stalled chunk holds the path for `stall_s` first."""
+    """Faults injected on one path (tests, chaos drills). Sending side: `every`: which chunks (1 = all,
+    3 = every third); a stalled chunk holds the path for `stall_s` first. Receiving side, per session:
+    its first `drop_acks` prepared COMMIT acks are never sent, and its frames, copy manifests and COMMITs
+    wait `hold_s` from its first frame before they are handled (the stage stalls, the session lives)."""
 
     delay_s: float = 0.0
     drop_every: int = 0
     corrupt_every: int = 0
     stall_every: int = 0
     stall_s: float = 0.0
+    drop_acks: int = 0
+    hold_s: float = 0.0
     path: str = "primary"  # the path they apply to; "*" for every path
 
     @classmethod

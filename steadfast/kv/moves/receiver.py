@@ -38,6 +38,7 @@ from steadfast.kv.moves.checks import (
     message_problem,
 )
 from steadfast.kv.moves.curve import CurveKeys
+from steadfast.kv.moves.faults import FaultSwitch, TransportFaults
 from steadfast.kv.moves.messages import (
     Abort,
     AbortReason,
@@ -57,6 +58,7 @@ from steadfast.kv.moves.messages import (
 )
 from steadfast.kv.moves.packing import slots_for, write_span
 from steadfast.kv.moves.session import DestinationSession
+from steadfast.kv.moves.transport import path_names
 from steadfast.kv.moves.wire import (
     AskDecision,
     Decision,
@@ -95,6 +97,10 @@ class _Incoming:
     # stage -> part -> (layer, start, count) of the parts written and verified
     spans: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)
     ended: float = math.inf
+    faults: TransportFaults | None = None  # a drill's, armed when the session opened
+    acks_dropped: int = 0
+    held_until: float = 0.0  # a held stage: its messages wait in `held` until then
+    held: list[ToDestination] = field(default_factory=list)
 
 
 class KVReceiver:
@@ -115,13 +121,15 @@ class KVReceiver:
         decide: Decider | None = None,
         keys: CurveKeys | None = None,
         limits: IncomingLimits | None = None,
+        faults: FaultSwitch | None = None,
     ) -> None:
         """`addresses`: one per path (`tcp://host:0` takes a free port). `lease_check` raises unless
         this worker's lease is surely valid: no byte is written without. `decide`: records a session's
         decision in this node's ledger unless one is recorded, returning the recorded one (None: kept
         in memory, for a receiver with no ledger). A source quiet for `2 * timeout_s` (at least
         `QUIET_FLOOR_S`) is taken to be gone. `keys`: the receiving side's CURVE keys (None: anyone who
-        can connect is heard). `limits`: moves and blocks held at once (None: `transfer`'s defaults)."""
+        can connect is heard). `limits`: moves and blocks held at once (None: `transfer`'s defaults). `faults`:
+        the drill switch, asked at every new session (its `drop_acks` and `hold_s` act here)."""
         self.arena, self.block_size = arena, block_size
         self.lease_check = lease_check
         self.grant, self.release, self.timeout_s = grant, release, timeout_s
@@ -130,6 +138,7 @@ class KVReceiver:
         # can outlast a short timeout, and taking a live source for a vanished one costs it a path.
         self.quiet_s = max(2 * timeout_s, QUIET_FLOOR_S)
         self.limits = limits or IncomingLimits.of(TransferConfig(), arena.spec.num_blocks)
+        self.fault_source = faults
         # A context of its own: the ZAP handler that checks CURVE clients serves one context, and a
         # receiver's must answer for its sockets only. It runs before any socket binds (none unchecked).
         self.ctx = zmq.Context()
@@ -175,6 +184,12 @@ class KVReceiver:
         with self._lock:
             return self._reserved()
 
+    @property
+    def held_blocks(self) -> int:
+        """Blocks held for moves here: reserved, or committed and not claimed yet."""
+        with self._lock:
+            return self._reserved() + sum(len(blocks) for blocks, _ in self._claims.values())
+
     def claim(self, request_id: str) -> list[int] | None:
         """The blocks of a committed move, now the engine's; None if there is none (expired)."""
         with self._lock:
@@ -211,6 +226,7 @@ class KVReceiver:
                     except zmq.Again:
                         break
                     self._receive(sock, frames)
+            self._release_held()
             # Only with every socket read: a source whose messages wait unread is not a quiet one.
             if not any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in self.socks):
                 self._expire()
@@ -234,6 +250,19 @@ class KVReceiver:
             self._drop(Drop.PROTOCOL, msg.session, str(exc))
         except Exception:  # a bug: loud, but one bad message must not stop the receiver
             log.exception("KV move %s: handling a %s failed", msg.session, type(msg).__name__)
+
+    def _release_held(self) -> None:
+        """A drill's held stages whose time is up are handled now, in the order they came."""
+        now = time.monotonic()
+        with self._lock:
+            due = [i for i in self._sessions.values() if i.held and now >= i.held_until]
+        for inc in due:
+            msgs, inc.held = inc.held, []
+            for msg in msgs:
+                try:
+                    self._handle(inc.sock, inc.peer, msg)
+                except MoveProtocolError as exc:
+                    self._drop(Drop.PROTOCOL, msg.session, str(exc))
 
     def _drop(self, why: Drop, session: str, detail: str) -> None:
         self.dropped[why] += 1
@@ -264,6 +293,8 @@ class KVReceiver:
                     sock.send_multipart([peer, encode(Abort(msg.session, AbortReason.DESTINATION_ABORT))])
                 return
             d = inc.session
+            if self._held(inc, msg, now):
+                return
             match msg:
                 case KVFrame():
                     self._frame(inc, msg, now)
@@ -295,6 +326,20 @@ class KVReceiver:
                     actions = d.receive(msg, now)
             self._act(inc, actions, now)
 
+    def _held(self, inc: _Incoming, msg: ToDestination, now: float) -> bool:
+        """A drill's `hold_s`: from the session's first frame its stage waits (frames, manifests, COMMITs;
+        the source's heartbeat and ABORT still get through)."""
+        hold = inc.faults.hold_s if inc.faults is not None else 0.0
+        if not hold or not isinstance(msg, KVFrame | Copy | Commit):
+            return False
+        if not inc.held_until:
+            inc.held_until = now + hold
+            log.warning("KV move %s: fault drill: its stage is held for %.2f s", msg.session, hold)
+        if now >= inc.held_until:
+            return False
+        inc.held.append(msg)
+        return True
+
     def _open(self, sock: zmq.Socket, peer: bytes, msg: Prealloc, now: float) -> _Incoming | None:
         """A new session, or None when refused (answered ABORT, nothing reserved, nothing kept). An older
         one of the same request (the source moved to another path) is given up first, so a request never
@@ -312,6 +357,9 @@ class KVReceiver:
             return self._refuse(sock, peer, msg, AbortReason.NO_ROOM)
         inc = self._sessions[msg.session] = _Incoming(DestinationSession(msg.session, self.quiet_s), rid, sock, peer)
         self._latest[rid] = msg.session
+        faults = self.fault_source() if self.fault_source is not None else None
+        if faults is not None and faults.applies_to(path_names(len(self.socks))[self.socks.index(sock)]):
+            inc.faults = faults
         return inc
 
     def _refuse(self, sock: zmq.Socket, peer: bytes, msg: Prealloc, reason: AbortReason) -> None:
@@ -383,6 +431,9 @@ class KVReceiver:
         work = list(actions)
         while work:
             match work.pop(0):
+                case Send(message=CommitAck(missing=())) if inc.faults and inc.acks_dropped < inc.faults.drop_acks:
+                    inc.acks_dropped += 1
+                    log.warning("KV move %s: fault drill: its COMMIT ack is dropped", inc.session.session)
                 case Send(message=m):
                     inc.sock.send_multipart([inc.peer, encode(m)])
                 case Reserve(n_blocks=n):  # (within the limits: `_open` refused the rest)

@@ -66,11 +66,6 @@ log = logging.getLogger(__name__)
 TOMBSTONE_S = 60.0  # an ended session is remembered this long, so a late answer to it is recognised
 
 
-def path_names(count: int) -> list[str]:
-    """The names of a receiver's `count` paths, in fallback order: primary, alternate, alternate2, ..."""
-    return ["primary", *(f"alternate{i}" if i > 1 else "alternate" for i in range(1, count))][:count]
-
-
 @dataclass
 class _Outgoing:
     request_id: str

@@ -89,3 +89,8 @@ class ZmqPath:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def path_names(count: int) -> list[str]:
+    """The names of a receiver's `count` paths, in fallback order: primary, alternate, alternate2, ..."""
+    return ["primary", *(f"alternate{i}" if i > 1 else "alternate" for i in range(1, count))][:count]
