@@ -1,8 +1,8 @@
 """Live-migration benchmark: what moving a running request to another worker costs the request itself
 and the requests around it, same-node KV migration (`mode: kv`, the blocks change owner in the ledger)
 against the baseline without KV moves (`mode: recompute`, the destination computes prompt and generated
-tokens again), in one run of one `steadfast serve` (two mixed workers of one node, fp32, one thread per
-worker, no standby).
+tokens again), in one run (fp32, one thread per worker, no standby): two mixed workers of one node for those two; the
+cross-node path on a second server, below.
 
 **Single stream**, per context length and mode, `--samples` times (the modes alternate sample by
 sample): a greedy stream with a prompt of exactly that many tokens decodes; once its client has
@@ -21,7 +21,9 @@ takes longer). The co-running streams' time per token (TPOT, all of them togethe
 phases over the quiet ones is the slowdown; also their token intervals during a migrate call against
 those outside one, and the mover's own downtime and gap with the others beside it.
 
-Cross-node KV migration was built after this script; it measures the same-node path and the baseline only.
+**Across nodes** (`kv-cross`, on a second server: node 0 a mixed and a prefill worker, node 1 a decode
+worker, each node its own kvpool, arena and ledger): the same two parts, the request moved between the
+decode worker and the mixed one, its KV copied in rounds while it decodes, then stopped and copied.
 
     python benchmarks/bench_migration.py --contexts 128 512 2048 --samples 4
 """
@@ -35,7 +37,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -49,7 +50,20 @@ from steadfast.config import default_model_path  # noqa: E402
 from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
-MODES = ("kv", "recompute")
+# mode → (the server it runs on, the migrate call's mode)
+MODES = {"kv": ("same", "kv"), "kv-cross": ("cross", "kv"), "recompute": ("same", "recompute")}
+SERVERS = {
+    "same": "server: {workers: 2, standby_workers: 0, threads_per_worker: 1}\n",
+    # Node 0: a mixed worker and a prefill worker; node 1 (a second kvpool, arena and ledger): a decode
+    # worker. A request is prefilled on node 0 and decodes on node 1; the mixed worker is node 0's decoder.
+    "cross": (
+        "server: {workers: 1, prefill_workers: 1, decode_workers: 1, decode_node: separate, standby_workers: 0,"
+        " threads_per_worker: 1}\n"
+    ),
+}
+DECODERS = ("mixed", "decode")  # the roles a running request can move to
+CROSS_TARGET_MS = 30.0  # cross-node downtime
+FLAT_TARGET = 1.2  # cross-node downtime at the longest context within this factor of the shortest
 KEYS = (
     "downtime_ms",
     "gap_ms",
@@ -59,44 +73,6 @@ KEYS = (
 )  # summarised per context and mode
 STEP_SLACK_MS = 5.0  # the same-node target: the client's longest gap ≤ one decode step + this
 SLOWDOWN_TARGET = 0.05  # the co-running target: their TPOT at most 5 % higher with migrations
-
-
-class IdStream(Stream):
-    """`common.Stream` that also keeps the request id (the chunks' `id`, what the migrate route takes)
-    and can be stopped by its caller (closing the connection aborts the request)."""
-
-    def __init__(self, url: str, model: str, prompt: list[int], max_tokens: int) -> None:
-        super().__init__(url, model, prompt, max_tokens)
-        self.request_id = ""
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        body = {
-            "model": self.model,
-            "prompt": self.prompt,
-            "max_tokens": self.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
-        self.started = time.perf_counter()
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
-                for line in r.iter_lines():
-                    if self.stop.is_set():
-                        return
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            self.error = chunk["error"]["message"]
-                            return
-                        now = time.perf_counter()
-                        self.request_id = chunk.get("id", self.request_id)
-                        for choice in chunk["choices"]:
-                            self.arrivals.extend(now for _ in choice.get("token_ids", []))
-        except Exception as exc:  # noqa: BLE001 - recorded as this stream's result
-            self.error = repr(exc)
 
 
 # The admin calls go through one `httpx.Client` made before any stream: a new client (what `httpx.get`
@@ -109,9 +85,17 @@ def workers(admin: httpx.Client) -> list[dict]:
 
 
 def busy_worker(admin: httpx.Client) -> int:
-    """The one worker with a request in flight (called while exactly one stream runs)."""
-    (w,) = [w["id"] for w in workers(admin) if w["in_flight"]]
+    """The one decoding worker with a request in flight (called while exactly one stream runs)."""
+    (w,) = [w["id"] for w in workers(admin) if w["in_flight"] and w["role"] in DECODERS]
     return w
+
+
+def destination(admin: httpx.Client, source: int, cross: bool) -> int:
+    """The other decoder: of another node (`cross`) or of the source's."""
+    rows = workers(admin)
+    node = next(w["node"] for w in rows if w["id"] == source)
+    (dest,) = [w["id"] for w in rows if w["id"] != source and w["role"] in DECODERS and (w["node"] != node) == cross]
+    return dest
 
 
 def migrate(admin: httpx.Client, rid: str, to: int, mode: str) -> dict:
@@ -131,29 +115,32 @@ def gaps_ms(arrivals: list[float]) -> list[float]:
 
 
 def single_part(
-    args: argparse.Namespace, admin: httpx.Client, model: str, tok: GGUFTokenizer, ids: itertools.count
+    args: argparse.Namespace, admin: httpx.Client, model: str, tok: GGUFTokenizer, ids: itertools.count, modes: list
 ) -> dict:
     url = str(admin.base_url).rstrip("/")
-    worker_ids = [w["id"] for w in workers(admin)]
-    rows: dict[int, dict[str, list[dict]]] = {n: {m: [] for m in MODES} for n in args.contexts}
-    # Sample -1 of the first context is an untimed warm-up of both modes (first migration, first recompute).
+    rows: dict[int, dict[str, list[dict]]] = {n: {m: [] for m in modes} for n in args.contexts}
+    # Sample -1 of the first context is an untimed warm-up of every mode (first migration, first recompute).
     plan = [(args.contexts[0], -1)] + [(n, k) for n in args.contexts for k in range(args.samples)]
     for n, k in plan:
-        for mode in MODES if k % 2 == 0 else MODES[::-1]:  # alternate which mode goes first
-            s = IdStream(url, model, prompt_of(tok, n, f"Sample {next(ids)}:"), args.max_tokens)
+        for mode in modes if k % 2 == 0 else modes[::-1]:  # alternate which mode goes first
+            s = Stream(url, model, prompt_of(tok, n, f"Sample {next(ids)}:"), args.max_tokens)
             s.start()
-            wait_until(lambda s=s: s.arrivals or s.error, 300)
-            source = busy_worker(admin)  # asked well before the migration, not in the gaps measured
-            (dest,) = [w for w in worker_ids if w != source]
+            # Asked well before the migration, not in the gaps measured; after a few tokens, when a
+            # prefilled request is on its decode worker.
+            wait_until(lambda s=s: len(s.arrivals) >= 3 or s.error, 300)
+            source = busy_worker(admin)
+            dest = destination(admin, source, cross=mode == "kv-cross")
             wait_until(lambda s=s: len(s.arrivals) >= args.at_token or s.error, 300)
             t0 = time.perf_counter()
-            record = migrate(admin, s.request_id, dest, mode)
+            record = migrate(admin, s.request_id, dest, MODES[mode][1])
             t1 = time.perf_counter()
             s.join(600)
             if s.error or len(s.arrivals) != args.max_tokens:
                 raise RuntimeError(f"{mode} {n}: {s.error}, {len(s.arrivals)} tokens")
             if record["outcome"] != "committed" or record["to_worker"] != dest:
                 raise RuntimeError(f"{mode} {n}: not migrated: {record}")
+            if (record["path"] == "same_node") == (mode == "kv-cross"):
+                raise RuntimeError(f"{mode} {n}: took path {record['path']}")
             g = gaps_ms(s.arrivals)
             step = statistics.median(g)
             # The call returns once the router forwarded the destination's first token: the client's
@@ -213,25 +200,26 @@ def single_part(
 
 
 def corun_part(
-    args: argparse.Namespace, admin: httpx.Client, model: str, tok: GGUFTokenizer, ids: itertools.count
+    args: argparse.Namespace, admin: httpx.Client, model: str, tok: GGUFTokenizer, ids: itertools.count, modes: list
 ) -> dict:
     url = str(admin.base_url).rstrip("/")
     out: dict = {}
-    for mode in MODES:
+    for mode in modes:
         wait_until(lambda: all(w["in_flight"] == 0 for w in workers(admin)), 60)
-        mover = IdStream(url, model, prompt_of(tok, args.corun_context, f"Mover {next(ids)}:"), args.corun_tokens)
+        mover = Stream(url, model, prompt_of(tok, args.corun_context, f"Mover {next(ids)}:"), args.corun_tokens)
         mover.start()
-        wait_until(lambda m=mover: len(m.arrivals) >= 2 or m.error, 120)
+        wait_until(lambda m=mover: len(m.arrivals) >= 3 or m.error, 120)
         at = busy_worker(admin)
+        dest = destination(admin, at, cross=mode == "kv-cross")
         others = [
-            IdStream(url, model, prompt_of(tok, args.stream_context, f"Stream {next(ids)}:"), args.corun_tokens)
+            Stream(url, model, prompt_of(tok, args.stream_context, f"Stream {next(ids)}:"), args.corun_tokens)
             for _ in range(args.streams)
         ]
         for s in others:
             s.start()
         everyone = [mover, *others]
         wait_until(lambda e=everyone: all(len(s.arrivals) >= 2 or s.error for s in e), 120)
-        placement = {w["id"]: w["in_flight"] for w in workers(admin)}
+        placement = {w["id"]: w["in_flight"] for w in workers(admin) if w["role"] in DECODERS}
         time.sleep(1.0)  # the last prompt's step out of the way
         # Quiet and migrating phases alternate on the same streams, so that the machine's drift (and
         # whatever else runs on it) falls on both alike. Migrating: a migration every `--interval`
@@ -246,11 +234,10 @@ def corun_part(
             if kind == "quiet":
                 time.sleep(args.phase)
             while kind == "migrating" and time.perf_counter() - t0 < args.phase:
-                (dest,) = [w for w in placement if w != at]
                 t_call = time.perf_counter()
-                records.append(migrate(admin, mover.request_id, dest, mode))
+                records.append(migrate(admin, mover.request_id, dest, MODES[mode][1]))
                 windows.append((t_call, time.perf_counter()))
-                at = dest
+                at, dest = dest, at
                 time.sleep(max(0.0, args.interval - (time.perf_counter() - t_call)))
             phases.append((kind, t0, time.perf_counter()))
         for s in everyone:
@@ -309,18 +296,28 @@ def corun_part(
 
 def targets(report: dict, contexts: list[int]) -> dict:
     single, corun = report["single"], report["corun"]
-    # At the median of the samples, on the longest gap of the stream (the counts per sample are in the table).
-    same_node = {n: single[n]["kv"]["max_gap_over_step_ms_p50"] <= STEP_SLACK_MS for n in contexts}
-    recompute = [single[n]["recompute"]["downtime_ms_p50"] for n in contexts]
-    return {
-        "same_node_client_gap_within_step_plus_5ms": same_node,
-        "corun_slowdown_kv": corun["kv"]["tpot_ratio"] - 1,
-        "corun_slowdown_kv_met": corun["kv"]["tpot_ratio"] - 1 <= SLOWDOWN_TARGET,
-        "recompute_grows_with_context": all(a < b for a, b in zip(recompute, recompute[1:], strict=False)),
-    }
+    out: dict = {}
+    if "kv" in corun:
+        # At the median of the samples, on the longest gap of the stream (the counts per sample are in the table).
+        out["same_node_client_gap_within_step_plus_5ms"] = {
+            n: single[n]["kv"]["max_gap_over_step_ms_p50"] <= STEP_SLACK_MS for n in contexts
+        }
+    if "kv-cross" in corun:
+        down = {n: single[n]["kv-cross"]["downtime_ms_p50"] for n in contexts}
+        out["cross_node_downtime_within_30ms"] = {n: d <= CROSS_TARGET_MS for n, d in down.items()}
+        out["cross_node_flat_ratio"] = down[contexts[-1]] / down[contexts[0]]
+        out["cross_node_flat_met"] = out["cross_node_flat_ratio"] <= FLAT_TARGET
+    for mode in ("kv", "kv-cross"):
+        if mode in corun:
+            out[f"corun_slowdown_{mode}"] = corun[mode]["tpot_ratio"] - 1
+            out[f"corun_slowdown_{mode}_met"] = corun[mode]["tpot_ratio"] - 1 <= SLOWDOWN_TARGET
+    if "recompute" in corun:
+        recompute = [single[n]["recompute"]["downtime_ms_p50"] for n in contexts]
+        out["recompute_grows_with_context"] = all(a < b for a, b in zip(recompute, recompute[1:], strict=False))
+    return out
 
 
-def print_tables(report: dict, contexts: list[int]) -> None:
+def print_tables(report: dict, contexts: list[int], modes: list[str]) -> None:
     single, corun, t = report["single"], report["corun"], report["targets"]
     print(
         "| context | mode | samples | downtime p50 (max) | server gap p50 (max) | client gap at the switch p50 (max) "
@@ -330,7 +327,7 @@ def print_tables(report: dict, contexts: list[int]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     cell = lambda r, key: f"{r[key + '_p50']:.1f} ({r[key + '_max']:.1f}) ms"  # noqa: E731 - a local formatter
     for n in contexts:
-        for mode in MODES:
+        for mode in modes:
             r = single[n][mode]
             print(
                 f"| {n} | {mode} | {r['samples']} | {cell(r, 'downtime_ms')} | {cell(r, 'gap_ms')} | "
@@ -345,7 +342,7 @@ def print_tables(report: dict, contexts: list[int]) -> None:
         "| its server gap p50 (max) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for mode in MODES:
+    for mode in modes:
         r = corun[mode]
         print(
             f"| {mode} | {r['migrations']} | {r['tpot_quiet_ms']:.1f} / {r['tpot_migrating_ms']:.1f} ms | "
@@ -356,7 +353,7 @@ def print_tables(report: dict, contexts: list[int]) -> None:
         )
     print()
     met = lambda ok: "met" if ok else "NOT met"  # noqa: E731 - a local formatter
-    for n, ok in t["same_node_client_gap_within_step_plus_5ms"].items():
+    for n, ok in t.get("same_node_client_gap_within_step_plus_5ms", {}).items():
         r = single[n]["kv"]
         print(
             f"same-node client gap ≤ step + 5 ms at {n} tokens: {met(ok)} "
@@ -365,14 +362,58 @@ def print_tables(report: dict, contexts: list[int]) -> None:
             f"at the switch {r['switch_gap_over_step_ms_p50']:+.1f} ms, "
             f"{r['switch_gap_within_step_plus_5ms']} of {r['samples']})"
         )
-    print(f"co-running slowdown ≤ 5 % (kv): {met(t['corun_slowdown_kv_met'])} ({100 * t['corun_slowdown_kv']:+.1f} %)")
-    print(f"recompute downtime grows with context: {met(t['recompute_grows_with_context'])}")
-    print("cross-node KV migration: not available yet (not measured)")
+    for n, ok in t.get("cross_node_downtime_within_30ms", {}).items():
+        down = single[n]["kv-cross"]["downtime_ms_p50"]
+        print(f"cross-node downtime ≤ 30 ms at {n} tokens: {met(ok)} ({down:.1f} ms)")
+    if "cross_node_flat_ratio" in t:
+        print(
+            f"cross-node downtime flat ({contexts[-1]} within 1.2x of {contexts[0]}): {met(t['cross_node_flat_met'])} "
+            f"({t['cross_node_flat_ratio']:.2f}x)"
+        )
+    for mode in ("kv", "kv-cross"):
+        if f"corun_slowdown_{mode}" in t:
+            slow = t[f"corun_slowdown_{mode}"]
+            print(f"co-running slowdown ≤ 5 % ({mode}): {met(t[f'corun_slowdown_{mode}_met'])} ({100 * slow:+.1f} %)")
+    if "recompute_grows_with_context" in t:
+        print(f"recompute downtime grows with context: {met(t['recompute_grows_with_context'])}")
+
+
+def serve(args: argparse.Namespace, which: str, modes: list[str], tok: GGUFTokenizer, report: dict) -> None:
+    """One server of the run: its modes' single-stream and co-running parts."""
+    cfg = (
+        f"model: {{dtype: {args.dtype}, max_model_len: {max(args.contexts + [args.corun_context]) + 2048}}}\n"
+        f"cache: {{kv_memory_mb: {args.kv_mb}}}\n"
+        + SERVERS[which]
+        # The migrate call waits for the destination's first token: by recompute at 2048 tokens, longer
+        # than the default 10 s.
+        + "migration: {timeout: 120}\n"
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-migration-{which}-"))
+    server = ServerProcess(tmp, cfg)
+    report["config"][which] = cfg
+    try:
+        server.wait_ready(300)
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        ids = itertools.count()
+        with httpx.Client(base_url=server.url, timeout=60) as admin:
+            single = single_part(args, admin, model, tok, ids, modes)
+            for n, by_mode in single.items():
+                report["single"].setdefault(n, {}).update(by_mode)
+            report["corun"].update(corun_part(args, admin, model, tok, ids, modes))
+            metrics = admin.get("/metrics").text
+        report["token_mismatches"][which] = [
+            x for x in metrics.splitlines() if x.startswith("steadfast_migration_token_mism")
+        ]
+    finally:
+        server.stop()
+        log = (tmp / "server.log").read_text(errors="replace")
+        report["server_errors"][which] = [x for x in log.splitlines() if "ERROR" in x or "Traceback" in x]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--samples", type=int, default=4, help="migrations per context and mode")
     p.add_argument("--at-token", type=int, default=8, help="the client's tokens when it asks for the migration")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -390,38 +431,22 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "migration.json"))
     args = p.parse_args()
     tok = GGUFTokenizer.from_gguf(default_model_path())
-    cfg = (
-        f"model: {{dtype: {args.dtype}, max_model_len: {max(args.contexts + [args.corun_context]) + 2048}}}\n"
-        f"cache: {{kv_memory_mb: {args.kv_mb}}}\n"
-        "server: {workers: 2, standby_workers: 0, threads_per_worker: 1}\n"
-        # The migrate call waits for the destination's first token: by recompute at 2048 tokens, longer
-        # than the default 10 s.
-        "migration: {timeout: 120}\n"
-    )
-    tmp = Path(tempfile.mkdtemp(prefix="bench-migration-"))
-    server = ServerProcess(tmp, cfg)
-    # The machine is shared: what else ran shows in the load before the server started.
-    report = {**run_info(args), "config": cfg, "loadavg_before": os.getloadavg()}
-    try:
-        server.wait_ready(300)
-        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-        ids = itertools.count()
-        with httpx.Client(base_url=server.url, timeout=60) as admin:
-            report["single"] = single_part(args, admin, model, tok, ids)
-            report["corun"] = corun_part(args, admin, model, tok, ids)
-            metrics = admin.get("/metrics").text
-        report["loadavg_after"] = os.getloadavg()
-        report["token_mismatches"] = [x for x in metrics.splitlines() if x.startswith("steadfast_migration_token_mism")]
-    finally:
-        server.stop()
-        log = (tmp / "server.log").read_text(errors="replace")
-        report["server_errors"] = [x for x in log.splitlines() if "ERROR" in x or "Traceback" in x]
+    modes = [m for m in MODES if m in args.modes]
+    # The machine is shared: what else ran shows in the load before the servers started.
+    report = {**run_info(args), "config": {}, "loadavg_before": os.getloadavg(), "single": {}, "corun": {}}
+    report |= {"token_mismatches": {}, "server_errors": {}}
+    for which in SERVERS:
+        on_it = [m for m in modes if MODES[m][0] == which]
+        if on_it:
+            serve(args, which, on_it, tok, report)
+    report["loadavg_after"] = os.getloadavg()
     report["targets"] = targets(report, args.contexts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print_tables(report, args.contexts)
-    if report["server_errors"]:
-        print(f"server log: {len(report['server_errors'])} error lines (in the JSON)")
+    print_tables(report, args.contexts, modes)
+    errors = sum(len(v) for v in report["server_errors"].values())
+    if errors:
+        print(f"server logs: {errors} error lines (in the JSON)")
 
 
 if __name__ == "__main__":

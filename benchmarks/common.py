@@ -57,7 +57,9 @@ def wait_until(predicate, timeout: float) -> object:
 
 
 class Stream(threading.Thread):
-    """One streamed completion of a token-id prompt; `arrivals` holds each token's arrival time."""
+    """One streamed completion of a token-id prompt; `arrivals` holds each token's arrival time and
+    `request_id` the chunks' id (what the admin routes take). `stop` set: the stream is closed at its next
+    chunk (the server aborts the request)."""
 
     def __init__(self, url: str, model: str, prompt: list[int], max_tokens: int) -> None:
         super().__init__(daemon=True)
@@ -65,6 +67,8 @@ class Stream(threading.Thread):
         self.started = 0.0
         self.arrivals: list[float] = []  # one per token received
         self.error: str | None = None
+        self.request_id = ""
+        self.stop = threading.Event()
 
     def run(self) -> None:
         body = {
@@ -80,12 +84,15 @@ class Stream(threading.Thread):
         try:
             with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
                 for line in r.iter_lines():
+                    if self.stop.is_set():
+                        return
                     if line.startswith("data: {"):
                         chunk = json.loads(line[6:])
                         if "error" in chunk:
                             self.error = chunk["error"]["message"]
                             return
                         now = time.perf_counter()
+                        self.request_id = chunk.get("id", self.request_id)
                         for choice in chunk["choices"]:
                             self.arrivals.extend(now for _ in choice.get("token_ids", []))
         except Exception as exc:  # noqa: BLE001 - recorded as this stream's result

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.kv.moves.checks import token_bytes
 from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.sender_jobs import TransferOutcome, TransferResult
@@ -42,6 +41,7 @@ class Migrating:
     n_blocks: int  # reserved at the destination
     sent: int = 0  # tokens whose KV went out (every layer), from 0
     rounds: int = 0
+    parts: int = 0  # frames streamed in the rounds (one per layer and round)
     paused_at: float = 0.0  # set at the stop-and-copy
     ended: bool = False  # given up (the request ended here, or `give_up`): the sender's result is ignored
     started: float = field(default_factory=time.perf_counter)
@@ -76,7 +76,7 @@ class OutgoingMigrations:
         self._moves[msg.move] = m
         self._by_request[request.request_id] = msg.move
         paths = list(zip(path_names(len(msg.kv_paths)), msg.kv_paths, strict=True))
-        self.sender.begin(msg.move, paths, n_blocks * self.bs)
+        self.sender.begin(msg.move, paths, n_blocks * self.bs, probe=True)
         self._round(m)
 
     def after_step(self) -> None:
@@ -87,6 +87,8 @@ class OutgoingMigrations:
             if m.request.num_computed < m.sent or m.request not in self.scheduler.running:
                 self._give_up(m, "preempted here while its KV was copied")  # its KV freed: it runs on here
                 continue
+            if self.sender.landed(m.msg.move) < m.parts:
+                continue  # the last round is still on its way: a pause now would wait for all of it
             full = (m.request.num_computed // self.bs) * self.bs
             left_blocks = (full - m.sent) // self.bs
             if m.rounds >= max(1, m.msg.max_stages) or left_blocks <= m.msg.final_stage_blocks:
@@ -105,7 +107,8 @@ class OutgoingMigrations:
     def _round(self, m: Migrating) -> None:
         full = (m.request.num_computed // self.bs) * self.bs
         if full > m.sent:
-            self._send(m, m.sent, full - m.sent, stream=True)
+            self._stream(m, m.sent, full - m.sent)
+            m.parts += self.arena.spec.num_layers
             m.sent = full
         m.rounds += 1
 
@@ -117,14 +120,13 @@ class OutgoingMigrations:
             return
         self.scheduler.detach(r)
         m.paused_at = time.monotonic()
-        if r.num_computed > m.sent:
-            self._send(m, m.sent, r.num_computed - m.sent, stream=False)
-        # Zeros from here into the last reserved block: no slot of the move keeps its last owner's bytes.
+        # The rest, then zeros into the last reserved block (no slot of the move keeps its last owner's
+        # bytes): one frame per layer, the fewer messages the shorter the pause.
         end = max(r.num_computed, (m.n_blocks - 1) * self.bs + 1)
-        if end > r.num_computed:
-            zeros = bytes((end - r.num_computed) * token_bytes(self.arena.spec))
-            for layer in range(self.arena.spec.num_layers):
-                self.sender.layer(m.msg.move, layer, r.num_computed, end - r.num_computed, zeros, False)
+        slots = slots_for(self.blocks.block_table(r.request_id), self.bs, m.sent, r.num_computed - m.sent)
+        for layer in range(self.arena.spec.num_layers if end > m.sent else 0):
+            data = layer_span(self.arena, layer, slots, zeros=end - r.num_computed)
+            self.sender.layer(m.msg.move, layer, m.sent, end - m.sent, data, False)
         m.sent = end
         self.sender.commit(m.msg.move)
 
@@ -154,10 +156,10 @@ class OutgoingMigrations:
         )
         return RequestOutput(m.request.request_id, [], index=len(m.request.output_ids), handoff=h)
 
-    def _send(self, m: Migrating, start: int, count: int, stream: bool) -> None:
+    def _stream(self, m: Migrating, start: int, count: int) -> None:
         slots = slots_for(self.blocks.block_table(m.request.request_id), self.bs, start, count)
         for layer in range(self.arena.spec.num_layers):
-            self.sender.layer(m.msg.move, layer, start, count, layer_span(self.arena, layer, slots), stream)
+            self.sender.layer(m.msg.move, layer, start, count, layer_span(self.arena, layer, slots), True)
 
     def ended(self, request: Request) -> None:
         """The request ended here before its migration committed: the migration is given up."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from steadfast.config import TransferConfig
 from steadfast.kv.moves.messages import Commit, Copy, Prealloc
-from steadfast.kv.moves.wire import MAX_MESSAGE_BYTES, KVFrame, ToDestination
+from steadfast.kv.moves.wire import MAX_MESSAGE_BYTES, KVFrame, Probe, ToDestination
 from steadfast.kv.spec import ArenaSpec
 
 MAX_STAGES = 64  # copy stages a session may have: far more than any move makes
@@ -73,6 +73,8 @@ def message_problem(msg: ToDestination) -> Drop | None:
             return None if 0 <= stages <= MAX_STAGES else Drop.OUT_OF_RANGE
         case KVFrame(stage=stage, part=part):
             return None if 0 <= stage < MAX_STAGES and 0 <= part < MAX_PARTS else Drop.OUT_OF_RANGE
+        case Probe(sent=sent):
+            return None if 0 <= sent <= MAX_PARTS else Drop.OUT_OF_RANGE
     return None
 
 

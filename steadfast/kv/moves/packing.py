@@ -12,11 +12,14 @@ import torch
 from steadfast.kv.arena import KVArena
 
 
-def layer_span(arena: KVArena, layer: int, slots: torch.Tensor) -> bytes:
-    """One layer's K and V at arena `slots` (block * block_size + offset), packed contiguous."""
+def layer_span(arena: KVArena, layer: int, slots: torch.Tensor, zeros: int = 0) -> bytes:
+    """One layer's K and V at arena `slots` (block * block_size + offset), packed contiguous, followed by
+    `zeros` token positions of zeros (a span that runs past the tokens written)."""
     kv = arena.tensor[layer]  # [2, kv_heads, blocks, block_size, dim]
     two, heads, blocks, bs, dim = kv.shape
     data = kv.reshape(two, heads, blocks * bs, dim).index_select(2, slots.to(kv.device)).cpu()
+    if zeros:
+        data = torch.nn.functional.pad(data, (0, 0, 0, zeros))
     return data.view(torch.uint8).numpy().tobytes()
 
 

@@ -63,6 +63,8 @@ from steadfast.kv.moves.wire import (
     AskDecision,
     Decision,
     KVFrame,
+    Probe,
+    Progress,
     ToDestination,
     decode_to_destination,
     encode,
@@ -298,6 +300,10 @@ class KVReceiver:
             match msg:
                 case KVFrame():
                     self._frame(inc, msg, now)
+                    return
+                case Probe():
+                    if d.holds_reservation:
+                        sock.send_multipart([peer, encode(Progress(msg.session, msg.sent))])
                     return
                 case Copy():
                     if d.holds_reservation:

@@ -59,7 +59,7 @@ from steadfast.kv.moves.sender_jobs import (
 )
 from steadfast.kv.moves.session import SourceSession
 from steadfast.kv.moves.transport import PathDownError, Transport, ZmqPath
-from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, ToSource
+from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, Probe, Progress, ToSource
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,10 @@ class _Outgoing:
     bytes: int = 0
     t_commit: float = 0.0
     t_first: float = 0.0  # when the first frame went out
+    probe: bool = False  # track what has landed (a copy in rounds)
+    probed: int = 0  # parts sent in this session when the last probe went
+    probe_at: float = 0.0
+    landed: int = 0  # parts sent before the last probe the destination answered, in this session
 
 
 class KVSender:
@@ -129,9 +133,16 @@ class KVSender:
         self._thread.start()
 
     # --- engine thread ---------------------------------------------------------------------------
-    def begin(self, request_id: str, addresses: list[tuple[str, str]], num_tokens: int) -> None:
+    def begin(self, request_id: str, addresses: list[tuple[str, str]], num_tokens: int, probe: bool = False) -> None:
+        """`probe`: the destination is asked, as parts go out, how many have landed (`landed`)."""
         self.pending += 1
-        self._jobs.put(Begin(request_id, addresses, num_tokens))
+        self._jobs.put(Begin(request_id, addresses, num_tokens, probe))
+
+    def landed(self, request_id: str) -> int:
+        """Parts sent that the destination has handled (a probing transfer's, on its current path: 0
+        after a switch of path until it answers again). Read by the engine thread: an attribute read."""
+        out = self._out.get(request_id)
+        return out.landed if out is not None else 0
 
     def layer(self, request_id: str, layer: int, start: int, count: int, data: bytes, stream: bool) -> None:
         """One layer's K/V of `count` tokens from `start`; `stream`: send it now (layer-wise), else
@@ -205,7 +216,8 @@ class KVSender:
         match job:
             case Begin():
                 n_blocks = -(-job.num_tokens // self.block_size)
-                self._out[job.request_id] = _Outgoing(job.request_id, job.addresses, job.num_tokens, n_blocks)
+                out = _Outgoing(job.request_id, job.addresses, job.num_tokens, n_blocks, probe=job.probe)
+                self._out[job.request_id] = out
                 self.faults = self.fault_source() if self.fault_source is not None else None
                 if self.faults is not None:  # a drill: say so, so nobody mistakes it for a real fault
                     log.warning("KV transfer of %s: fault switch armed: %s", job.request_id, self.faults)
@@ -257,6 +269,7 @@ class KVSender:
         s = out.session = SourceSession(sid, MoveKind.TRANSFER, self.timeout_s, self.retries)
         self._sessions[sid] = (s, out.addresses[out.path], math.inf)
         out.sent, out.asks, out.problem, out.heartbeat = set(), 0, "", time.monotonic()
+        out.probed, out.landed = 0, 0
         self._act(out, s.prealloc(out.n_blocks, time.monotonic()))
 
     def _send_part(self, out: _Outgoing, k: int) -> None:
@@ -309,6 +322,16 @@ class KVSender:
             ):
                 out.heartbeat = now
                 self._try(out, lambda s=s, out=out: self._path(out).send(Prealloc(s.session, out.n_blocks)))
+            # A copy in rounds: asked what landed whenever parts went out since, or again when unanswered.
+            if (
+                s is not None
+                and out.probe
+                and s.state is SourceState.COPYING
+                and out.landed < len(out.sent)
+                and (len(out.sent) > out.probed or now - out.probe_at > self.timeout_s / 2)
+            ):
+                out.probed, out.probe_at = len(out.sent), now
+                self._try(out, lambda s=s, out=out: self._path(out).send(Probe(s.session, len(out.sent))))
         for sid, (_, _, until) in list(self._sessions.items()):
             if now > until:
                 del self._sessions[sid]
@@ -334,6 +357,9 @@ class KVSender:
         now = time.monotonic()
         if isinstance(msg, Decision):
             self._act(out, s.on_decided(msg.outcome, now))
+            return
+        if isinstance(msg, Progress):
+            out.landed = max(out.landed, min(msg.sent, len(out.sent)))
             return
         was = s.state
         if isinstance(msg, CommitAck) and msg.missing and s.state is SourceState.COMMITTING:

@@ -40,6 +40,7 @@ class Begin:
     request_id: str
     addresses: list[tuple[str, str]]
     num_tokens: int
+    probe: bool = False  # ask the destination how much has landed (`KVSender.landed`)
 
 
 @dataclass(frozen=True)

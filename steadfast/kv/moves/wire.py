@@ -6,7 +6,10 @@ A source opens a session with PREALLOC; once RESERVED it sends `KVFrame`s (one l
 token positions, xxh3-64 checksummed; part `k` of copy stage `s`), each stage's `Copy` (how many parts it has),
 then COMMIT. The destination acks with the stages and parts it still lacks, or prepared. The ledger that
 records the decision is the destination node's (one ledger per node until etcd), so the source asks for it
-with `AskDecision` and hears `Decision`, then tells the destination `Committed`. ABORT from either side.
+with `AskDecision` and hears `Decision`, then tells the destination `Committed`. ABORT from either side. A
+copy in rounds (a live migration) sends `Probe` after its frames and hears `Progress` once the destination
+has handled every frame sent before it (one connection keeps order): it pauses the request for the last
+round only when the earlier rounds have landed, so the pause never waits on them.
 
 This module owns the message shapes only: it must never open a socket, touch an arena or decide a retry.
 """
@@ -52,8 +55,20 @@ class Decision(msgspec.Struct, frozen=True, tag=True, array_like=True):
     outcome: MoveOutcome
 
 
-ToDestination = Prealloc | KVFrame | Copy | Commit | Committed | Abort | AskDecision
-ToSource = Reserved | CommitAck | Abort | Decision
+class Probe(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Say when you have handled the `sent` frames I sent before this (answered with `Progress`)."""
+
+    session: str
+    sent: int
+
+
+class Progress(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    session: str
+    sent: int  # the probe's: frames before it were handled (written, or dropped as lost or corrupt)
+
+
+ToDestination = Prealloc | KVFrame | Copy | Commit | Committed | Abort | AskDecision | Probe
+ToSource = Reserved | CommitAck | Abort | Decision | Progress
 
 _to_destination = msgspec.msgpack.Decoder(ToDestination)
 _to_source = msgspec.msgpack.Decoder(ToSource)
