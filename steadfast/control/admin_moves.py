@@ -94,16 +94,16 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
         """Restart every worker in turn (replacement ready first, then the old one drained and retired).
         Returns at once; `GET /admin/rollout` shows its progress."""
         try:
-            return client.start_rollout().view()
+            return client.maintenance.start_rollout().view()
         except MigrationError as exc:
             raise fail(exc) from None
 
     @app.get("/admin/rollout")
     async def rollout_state() -> dict[str, Any]:
         """The last rollout: state, each worker's replacement and step, duration; 404 before the first."""
-        if client.rollout is None:
+        if client.maintenance.rollout is None:
             raise APIError("no rollout has run", 404, code="not_found")
-        return client.rollout.view()
+        return client.maintenance.rollout.view()
 
     @app.post("/admin/workers/{worker_id}/drain", status_code=202, responses=CONFLICT)
     async def drain(worker_id: int) -> dict[str, Any]:
@@ -112,7 +112,7 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
         if not 0 <= worker_id <= WORKER_ID_MAX:
             raise APIError("worker id out of range", 400, param="worker_id")
         try:
-            client.drain(worker_id)
+            client.maintenance.drain(worker_id)
         except MigrationError as exc:
             raise fail(exc) from None
         w = client.registry.get(worker_id)

@@ -23,6 +23,7 @@ import zmq.asyncio
 from steadfast import protocol
 from steadfast.config import MigrationConfig, TakeoverConfig
 from steadfast.control.delivery import Flight, Verdict, Watermark
+from steadfast.control.maintenance import Maintenance
 from steadfast.control.migration import (
     MIGRATION_ROLES,
     MigrationError,
@@ -34,7 +35,6 @@ from steadfast.control.migration import (
 from steadfast.control.placement import DECODE_ROLES, SERVE_ROLES, Placement
 from steadfast.control.recovery import Recovery, Takeover
 from steadfast.control.resume import Resumption
-from steadfast.control.rollout import Rollout, RolloutState, RolloutStep
 from steadfast.control.workers import Liveness, WorkerHandle, WorkerRegistry
 from steadfast.protocol import (
     AbortRequest,
@@ -46,8 +46,6 @@ from steadfast.protocol import (
     Promote,
     RequestOutput,
     Resume,
-    Retire,
-    StartWorker,
     StepOutputs,
     WorkerDied,
     WorkerJoined,
@@ -97,16 +95,15 @@ class EngineClient:
         self._flights: dict[str, Flight] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.migrations = Migrations(migration or MigrationConfig(), self.registry, block_size)
-        self._drains: dict[int, asyncio.Task[None]] = {}
         # The supervisor, asked for new workers by a rollout (absent: a router started by hand).
-        self._supervisor: zmq.asyncio.Socket | None = None
+        to_supervisor: zmq.asyncio.Socket | None = None
         if supervisor:
-            self._supervisor = self.ctx.socket(zmq.PUSH)
-            self._supervisor.setsockopt(zmq.LINGER, 0)
-            self._supervisor.connect(supervisor)
-        self._replacements: dict[int, int] = {}  # worker → the worker started to replace it
-        self.rollout: Rollout | None = None
-        self.startup_timeout_s = 180.0
+            to_supervisor = self.ctx.socket(zmq.PUSH)
+            to_supervisor.setsockopt(zmq.LINGER, 0)
+            to_supervisor.connect(supervisor)
+        self.maintenance = Maintenance(
+            self.registry, self.migrations, self._owned, self.migrate, self._send, self._spawn, to_supervisor
+        )
         self.on_handoff: Callable[[Handoff], None] | None = None  # metrics hook
         self.on_migration: Callable[[MigrationRecord], None] | None = None  # metrics hook: one that ended
 
@@ -288,8 +285,8 @@ class EngineClient:
             await self._deliver(msg)
         elif isinstance(msg, WorkerStatus):
             w = self.registry.observe(msg)  # (ignored from a worker already declared dead, or not announced)
-            if w is not None and msg.state == WorkerState.STOPPING and not self.draining(w.worker_id):
-                self.drain(w.worker_id)  # it was told to stop (SIGTERM): its requests move first
+            if w is not None and msg.state == WorkerState.STOPPING and not self.maintenance.draining(w.worker_id):
+                self.maintenance.drain(w.worker_id)  # it was told to stop (SIGTERM): its requests move first
         elif isinstance(msg, WorkerDied):
             w = self.registry.get(msg.worker_id)
             if w is not None and not w.dead:
@@ -303,7 +300,7 @@ class EngineClient:
             w = self._add_worker(msg.worker_id, msg.address, msg.role)
             w.joining = True
             if msg.like >= 0:
-                self._replacements[msg.like] = msg.worker_id
+                self.maintenance.joined(msg.worker_id, msg.like)
 
     async def _deliver(self, msg: StepOutputs) -> None:
         self.registry.seen(msg.worker_id)
@@ -468,96 +465,12 @@ class EngineClient:
         )
         await self._switch(flight, from_worker, h)
 
+    def _owned(self, worker_id: int) -> list[Flight]:
+        return [f for f in self._flights.values() if f.mark.owner == worker_id and not f.mark.moving]
+
     def _ended(self, record: MigrationRecord | None) -> None:
         if record is not None and record.done and self.on_migration is not None:
             self.on_migration(record)
-
-    def draining(self, worker_id: int) -> bool:
-        task = self._drains.get(worker_id)
-        return task is not None and not task.done()
-
-    def drain(self, worker_id: int) -> None:
-        """Take worker `worker_id` out of placement, migrate every request on it away (those not movable
-        yet are asked again, the ones nobody can take finish there), then tell it to retire."""
-        w = self.registry.get(worker_id)
-        if w is None or w.dead:
-            raise MigrationError(f"no worker {worker_id} is alive", 404)
-        w.draining = True
-        if not self.draining(worker_id):
-            self._drains[worker_id] = asyncio.ensure_future(self._drain(w))
-
-    async def _drain(self, w: WorkerHandle) -> None:
-        log.warning("draining worker %d: its requests migrate to other workers", w.worker_id)
-        t0 = time.monotonic()
-        while not w.dead:
-            owned = [f for f in self._flights.values() if f.mark.owner == w.worker_id and not f.mark.moving]
-            if not owned:
-                log.warning("worker %d drained in %.1fs; it retires", w.worker_id, time.monotonic() - t0)
-                await self._send(w, Retire("drained"))
-                return
-            for flight in self.migrations.victims(owned)[: self.migrations.slots]:
-                rid = flight.add.request_id
-                if self.migrations.active(rid) is None:
-                    with contextlib.suppress(MigrationError):  # none can take it now: asked again soon
-                        await self.migrate(rid, None, MigrationReason.DRAIN)
-            await asyncio.sleep(0.05)
-
-    # --- rollout -------------------------------------------------------------------------------
-    def start_rollout(self) -> Rollout:
-        """Replace every worker in turn (standbys too): start its replacement, wait until it is ready,
-        drain the old one onto the others, wait until it retired. Raises MigrationError (409) when
-        one is running, (503) when there is no supervisor to start workers."""
-        if self._supervisor is None:
-            raise MigrationError("this router has no supervisor to start workers (not under steadfast serve)", 503)
-        if self.rollout is not None and self.rollout.state is RolloutState.RUNNING:
-            raise MigrationError("a rollout is running already", 409)
-        workers = sorted(w.worker_id for w in self.registry if not w.dead and not w.leaving)
-        self.rollout = Rollout(workers)
-        self._spawn(self._roll(self.rollout))
-        return self.rollout
-
-    async def _roll(self, r: Rollout) -> None:
-        try:
-            for old in r.workers:
-                w = self.registry.get(old)
-                if w is None or w.dead:
-                    continue
-                row = r.step(old)
-                assert self._supervisor is not None
-                await self._supervisor.send(protocol.encode(StartWorker(old)))
-                new = await self._until(lambda old=old: self._ready_replacement(old), self.startup_timeout_s)
-                if new is None:
-                    raise TimeoutError(
-                        f"the replacement of worker {old} was not ready in {self.startup_timeout_s:.0f}s"
-                    )
-                row["new"], row["step"] = new, RolloutStep.DRAINING
-                log.warning("rollout: worker %d is ready to replace worker %d", new, old)
-                if self.registry.get(old) is not None:
-                    self.drain(old)
-                gone = await self._until(lambda old=old: self.registry.get(old) is None or None, 3600.0)
-                if gone is None:
-                    raise TimeoutError(f"worker {old} did not retire")
-                row["step"], row["seconds"] = RolloutStep.RETIRED, time.monotonic() - row["t0"]
-            r.end(RolloutState.DONE)
-            log.warning("rollout done: %d workers replaced in %.1fs", len(r.steps), r.seconds)
-        except Exception as exc:  # the rollout stops where it is; every worker left serves on
-            log.error("rollout failed: %s", exc)
-            r.end(RolloutState.FAILED, str(exc))
-
-    def _ready_replacement(self, old: int) -> int | None:
-        new = self._replacements.get(old)
-        w = self.registry.get(new) if new is not None else None
-        return new if w is not None and w.ready else None
-
-    @staticmethod
-    async def _until(probe: Callable[[], object], timeout_s: float) -> object:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = probe()
-            if value is not None:
-                return value
-            await asyncio.sleep(0.05)
-        return None
 
     # --- failure -------------------------------------------------------------------------------
     def _spawn(self, coro: object) -> None:

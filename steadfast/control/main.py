@@ -53,7 +53,7 @@ async def serve(
         cfg.cache.block_size,
         supervisor,
     )
-    client.startup_timeout_s = srv.startup_timeout_s
+    client.maintenance.startup_timeout_s = srv.startup_timeout_s
     await client.start()
     ctx = ServingContext(
         client=client,
