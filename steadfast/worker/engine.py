@@ -238,11 +238,18 @@ class Engine:
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
 
-    def step(self) -> list[RequestOutput]:
+    def collect_moves(self) -> None:
+        """Hear how KV moves ended (transfers, migrations across nodes): the requests that left are let
+        go, and the answers wait in `take_pending` — the loop sends them before the next step, so that
+        neither the router nor the request waits for the others' forward pass."""
         moved, gone = self.kv.results()
         for request in gone:
             self._let_go(request)
-        outputs, self._pending = [*self._pending, *moved], []
+        self._pending.extend(moved)
+
+    def step(self) -> list[RequestOutput]:
+        self.collect_moves()
+        outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
             return outputs

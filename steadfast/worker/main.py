@@ -158,6 +158,10 @@ class WorkerLoop:
     def _step(self, engine: Engine) -> list[RequestOutput]:
         stall(self._failpoint)  # a fault test's hung engine (unarmed: one lookup)
         try:
+            # How KV moves ended, sent before the step: the answers must not wait for the others' forward pass.
+            engine.collect_moves()
+            if answers := engine.take_pending():
+                self.outbox.send(StepOutputs(self.worker_id, answers))
             return engine.step()
         except LeaseLostError:
             raise  # fenced: this process must stop writing at once, not fail requests and go on

@@ -25,7 +25,7 @@ from tests.integration.server import ServerProcess
 
 pytestmark = pytest.mark.chaos
 
-MAX_TOKENS = 96
+MAX_TOKENS = 64
 
 CONFIG = """
 model: {dtype: float32, device: cpu}

@@ -354,19 +354,21 @@ def test_kv_streamed_to_another_node_gives_exact_output(
         nodes.stop()
 
 
-def test_a_worker_dying_mid_transfer_loses_nothing(tmp_path, fp32_model, make_engine, monkeypatch):
+def test_a_worker_dying_mid_transfer_loses_nothing(tmp_path, small_model, small_model_path, make_engine, monkeypatch):
     """Real kills while KV streams between nodes. The prefill worker dies mid-prompt: the decode worker
     computes the request itself and the half-received transfer's blocks go back to its pool. The
     decode worker dies before the commit: every path fails, the request is recomputed on another
-    decode worker. Output exact both times; both pools check clean; nothing leaked."""
+    decode worker. Output exact both times; both pools check clean; nothing leaked. (The small model:
+    the reference is the in-process engine.)"""
     cfg = config().replace(
-        scheduler={"max_prefill_chunk": 64, "max_num_batched_tokens": 64},  # a long prompt takes many steps
+        model={"path": small_model_path},
+        scheduler={"max_prefill_chunk": 16, "max_num_batched_tokens": 16},  # a long prompt takes many steps
         transfer={"timeout": "400ms", "retries": 1, "backoff": "10ms"},
     )
     long_text = "The lighthouse keeper logged the weather every hour of the long night. " * 140
-    ids = fp32_model.tokenizer.encode_chat([{"role": "user", "content": long_text}])
+    ids = small_model.tokenizer.encode_chat([{"role": "user", "content": long_text}])
     reqs = [AddRequest(f"k{i}", ids, SamplingParams(16, 0.0, ignore_eos=True)) for i in range(2)]
-    want = make_engine(cfg, fp32_model).generate(reqs[:1])["k0"]
+    want = make_engine(cfg, small_model).generate(reqs[:1])["k0"]
     nodes = TwoNodes(tmp_path, cfg)
     a, b = nodes.a, nodes.b
     try:

@@ -269,7 +269,7 @@ def hostile_requests(model: str, rng: random.Random) -> list[tuple[str, dict, by
 
 def test_fuzz_leaves_eight_greedy_streams_exact_and_memory_flat(server, model):
     prompts = [f"Story number {i}: once there was" for i in range(8)]
-    payloads = [body(model, p, 96) for p in prompts]
+    payloads = [body(model, p, 64) for p in prompts]
     want = [clean_tokens(server, p) for p in payloads]
     before = _rss_kib(server.proc.pid)
     streams = [Stream(server.url, p) for p in payloads]
