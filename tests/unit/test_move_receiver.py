@@ -147,6 +147,17 @@ def test_bad_messages_are_refused_and_harm_nothing(setup):
     assert rx.dropped[Drop.UNDECODABLE] == 1 and rx.dropped[Drop.SPAN] == 1
 
 
+def send_all(src: Source, session: str, source_arena: KVArena) -> list[int]:
+    """A whole two-block move of six tokens up to its COMMIT; returns the blocks reserved for it."""
+    src.send(Prealloc(session, 2))
+    blocks = list(src.answer().block_ids)
+    for f in frames(session, source_arena, [0, 1], 6):
+        src.send(f)
+    src.send(Copy(session, 0, (0, 1), True, parts=2))
+    src.send(Commit(session, 0, 1))
+    return blocks
+
+
 def test_the_receivers_drills_lose_a_commit_ack_and_hold_a_stage(tmp_path):
     """`drop_acks=1`: the first prepared ack of each session never leaves, the resent COMMIT's does.
     `hold_s`: a session's frames wait from its first one, while an ABORT still gets through at once."""
@@ -161,23 +172,13 @@ def test_the_receivers_drills_lose_a_commit_ack_and_hold_a_stage(tmp_path):
     try:
         source_arena = KVArena.create_device(SPEC, "cpu")
         source_arena.tensor.normal_()
-        src.send(Prealloc("a/0", 2))
-        blocks = list(src.answer().block_ids)
-        for f in frames("a/0", source_arena, [0, 1], 6):
-            src.send(f)
-        src.send(Copy("a/0", 0, (0, 1), True, parts=2))
-        src.send(Commit("a/0", 0, 1))
+        blocks = send_all(src, "a/0", source_arena)
         assert src.silent(0.5)  # prepared, but the ack was dropped
         src.send(Commit("a/0", 1, 1))
         assert src.answer() == CommitAck("a/0", 1)
 
         spec["text"] = "hold_s=1.0"
-        src.send(Prealloc("b/0", 2))
-        held = list(src.answer().block_ids)
-        for f in frames("b/0", source_arena, [0, 1], 6):
-            src.send(f)
-        src.send(Copy("b/0", 0, (0, 1), True, parts=2))
-        src.send(Commit("b/0", 0, 1))
+        held = send_all(src, "b/0", source_arena)
         assert src.silent(0.6)  # held: no ack yet
         assert src.answer(2.0) == CommitAck("b/0", 0)  # then handled, in order
         assert len(pool.free) == SPEC.num_blocks - len(blocks) - len(held)
