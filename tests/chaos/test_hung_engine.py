@@ -74,12 +74,12 @@ def test_a_hung_engine_loop_lets_its_lease_lapse_and_the_stream_moves(
 def test_a_request_without_a_token_for_request_timeout_moves_to_the_standby(
     tmp_path, monkeypatch, small_model_path, small_config, small_model, make_engine
 ):
-    """The loop stalls for 10 s (its lease holds: engine_stall is a minute): after request_timeout
+    """The loop stalls for 6 s (its lease holds: engine_stall is a minute): after request_timeout
     the router moves the request to the standby. (With none, the error it ends with is
     `test_router_delivery.py`'s.)"""
     prompt = "A short history of clocks"
     want = greedy_reference(small_config, small_model, make_engine, prompt, 48)
-    marks = arm(monkeypatch, tmp_path, "worker0_step=10@12")
+    marks = arm(monkeypatch, tmp_path, "worker0_step=6@12")
     cfg = (
         "model: {dtype: float32, device: cpu}\n"
         "cache: {kv_memory_mb: 64}\n"

@@ -108,10 +108,12 @@ def test_the_next_serve_removes_the_arena_folder_of_a_launcher_killed_with_sigki
 
     second = ServerProcess(tmp_path / "second", config, model=small_model_path)
     try:
-        second.wait_ready()
+        # The sweep is the launcher's first act: no need to wait for its workers (stopped mid-start-up).
+        ours = f"steadfast-{os.geteuid()}-{second.proc.pid}-"
+        wait_until(lambda: "left by a launcher that is gone" in second.output(), 60, "the stale folder's removal")
+        wait_until(lambda: [f for f in os.listdir(folder) if f.startswith(ours)], 60, "the second's own folder")
         (mine,) = os.listdir(folder)
-        assert mine.startswith(f"steadfast-{os.geteuid()}-{second.proc.pid}-")
-        assert "left by a launcher that is gone" in second.output()
+        assert mine.startswith(ours)
         assert not run_dir.exists()  # swept at the start too
     finally:
         second.stop()
