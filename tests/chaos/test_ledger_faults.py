@@ -28,10 +28,11 @@ FAST_LEASE = {"lease": {"renew_interval_ms": 100, "lease_timeout_ms": 600}}
 GREEDY = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
 
-def config(**fault_recovery) -> Config:
-    # fp32: token-exact comparisons hold whatever the batch composition.
+def config(model_path: str, **fault_recovery) -> Config:
+    # fp32: token-exact comparisons hold whatever the batch composition. The small model: every
+    # comparison here is with the same worker's own run, not with `transformers`.
     return Config().replace(
-        model={"dtype": "float32"},
+        model={"path": model_path, "dtype": "float32"},
         cache={"kv_memory_mb": 192, "pool_grant_batch": 4},
         fault_recovery={**FAST_LEASE, **fault_recovery},
     )
@@ -49,8 +50,8 @@ def draining(node: Node):
     return lambda: node.outputs(timeout=0.05)
 
 
-def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt):
-    node = Node(tmp_path, config(kv_cache={"snapshot_interval_steps": 4}))
+def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt, small_model_path):
+    node = Node(tmp_path, config(small_model_path, kv_cache={"snapshot_interval_steps": 4}))
     try:
         node.start_pool()
         worker = node.start_worker(0)
@@ -92,9 +93,10 @@ def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt):
         node.stop()
 
 
-def test_worker_killed_inside_a_checkpoint_transaction_leaves_a_consistent_ledger(tmp_path, prompt):
+def test_worker_killed_inside_a_checkpoint_transaction_leaves_a_consistent_ledger(tmp_path, prompt, small_model_path):
     # The third checkpoint stalls after writing its rows, before COMMIT: the kill lands inside it.
-    node = Node(tmp_path, config(kv_cache={"snapshot_interval_steps": 6}), failpoints="checkpoint_commit=60@3")
+    cfg = config(small_model_path, kv_cache={"snapshot_interval_steps": 6})
+    node = Node(tmp_path, cfg, failpoints="checkpoint_commit=60@3")
     try:
         node.start_pool()
         worker = node.start_worker(0)
@@ -131,8 +133,8 @@ def test_worker_killed_inside_a_checkpoint_transaction_leaves_a_consistent_ledge
         node.stop()
 
 
-def test_kvpool_restart_keeps_arena_and_running_worker(tmp_path, prompt):
-    node = Node(tmp_path, config(kv_cache={"snapshot_interval_steps": 8}))
+def test_kvpool_restart_keeps_arena_and_running_worker(tmp_path, prompt, small_model_path):
+    node = Node(tmp_path, config(small_model_path, kv_cache={"snapshot_interval_steps": 8}))
     try:
         pool = node.start_pool()
         worker = node.start_worker(0)
