@@ -87,7 +87,7 @@ class OutgoingMigrations:
             if m.request.num_computed < m.sent or m.request not in self.scheduler.running:
                 self._give_up(m, "preempted here while its KV was copied")  # its KV freed: it runs on here
                 continue
-            if self.sender.landed(m.msg.move) < m.parts:
+            if not self.sender.landed(m.msg.move, m.parts):
                 continue  # the last round is still on its way: a pause now would wait for all of it
             full = (m.request.num_computed // self.bs) * self.bs
             left_blocks = (full - m.sent) // self.bs

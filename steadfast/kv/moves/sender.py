@@ -138,11 +138,16 @@ class KVSender:
         self.pending += 1
         self._jobs.put(Begin(request_id, addresses, num_tokens, probe))
 
-    def landed(self, request_id: str) -> int:
-        """Parts sent that the destination has handled (a probing transfer's, on its current path: 0
-        after a switch of path until it answers again). Read by the engine thread: an attribute read."""
+    def landed(self, request_id: str, parts: int) -> bool:
+        """Whether the destination has handled the first `parts` streamed parts of a probing transfer —
+        or there is nothing to wait for: a path that refuses data or leaves a probe unanswered for
+        `timeout_s` is the COMMIT's business (its timer retries, then the next path). Read by the
+        engine thread: attribute reads only."""
         out = self._out.get(request_id)
-        return out.landed if out is not None else 0
+        if out is None:
+            return True
+        unanswered = out.probed > out.landed and time.monotonic() - out.probe_at > self.timeout_s
+        return out.landed >= parts or bool(out.problem) or unanswered
 
     def layer(self, request_id: str, layer: int, start: int, count: int, data: bytes, stream: bool) -> None:
         """One layer's K/V of `count` tokens from `start`; `stream`: send it now (layer-wise), else
