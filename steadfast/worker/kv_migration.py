@@ -140,16 +140,18 @@ class OutgoingMigrations:
         self.answers.append(self._answer(m, f"KV copy to worker {m.msg.to_worker} given up: {why}"))
 
     def _answer(self, m: Migrating, error: str, r: TransferResult | None = None) -> RequestOutput:
+        """The router's answer; `r`: the sender's result (None: given up before the sender had one)."""
+        r = r or TransferResult(m.msg.move, TransferOutcome.ABORTED)
         h = Handoff(
             m.msg.to_worker,
-            r.block_ids if r is not None and not error else [],
+            [] if error else r.block_ids,
             num_computed=m.request.num_computed,
             error=error,
             seconds=time.perf_counter() - m.started,
-            path=(r.path if r is not None else "") or "failed",
-            retries=r.retries if r is not None else 0,
-            fallbacks=r.fallbacks if r is not None else 0,
-            bytes=r.bytes if r is not None else 0,
+            path=r.path or "failed",
+            retries=r.retries,
+            fallbacks=r.fallbacks,
+            bytes=r.bytes,
             migration=m.msg.move,
             paused_at=m.paused_at,
             stages=m.rounds + 1,
