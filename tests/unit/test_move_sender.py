@@ -20,7 +20,7 @@ from steadfast.kv.moves.messages import (
 )
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.sender_jobs import TransferOutcome
-from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, decode_to_destination, encode
+from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, Probe, Progress, decode_to_destination, encode
 from tests.unit.test_transfer import wait_result
 
 pytestmark = pytest.mark.unit
@@ -105,3 +105,23 @@ def test_no_room_at_the_destination_fails_the_path_with_a_clear_error(pair):
     r = wait_result(tx)
     assert r.outcome is TransferOutcome.FAILED and r.fallbacks == 1
     assert "no room for 2 KV blocks" in r.error
+
+
+def test_late_answers_to_an_ended_session_leave_the_sender_working(pair):
+    """A migration given up while its probe's answer was on the way (the request ended first): the late
+    PROGRESS once killed the sender's thread, and every later move from that worker hung."""
+    dst, tx = pair
+    tx.begin("r", [("primary", dst.address)], 6, probe=True)
+    tx.layer("r", 0, 0, 4, bytes(32), True)
+    assert dst.next() == Prealloc("r/0", 2)
+    dst.send(Reserved("r/0", (1, 2)))
+    assert isinstance(dst.until(Probe)[-1], Probe)
+    tx.abort("r")
+    assert wait_result(tx).outcome is TransferOutcome.ABORTED
+    assert dst.until(Abort)[-1] == Abort("r/0", AbortReason.SOURCE_ABORT)
+    dst.send(Progress("r/0", 1))  # late: the session has ended
+    dst.send(Reserved("r/0", (1, 2)))  # a late grant of a resent PREALLOC is still released
+    assert dst.next() == Abort("r/0", AbortReason.SOURCE_ABORT)
+    tx.begin("q", [("primary", dst.address)], 6)  # and the next move goes through
+    tx.layer("q", 0, 0, 4, bytes(32), True)
+    assert dst.next() == Prealloc("q/0", 2)

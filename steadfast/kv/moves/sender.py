@@ -40,7 +40,9 @@ from steadfast.kv.moves.messages import (
     Decide,
     LetGo,
     MoveKind,
+    MoveProtocolError,
     Prealloc,
+    Reserved,
     ResumeAtSource,
     Send,
     SourceState,
@@ -309,7 +311,12 @@ class KVSender:
         """Answers from every path, then every session's timer."""
         for path in list(self._paths.values()):
             while (msg := path.recv()) is not None:
-                self._answer(msg)
+                try:
+                    self._answer(msg)
+                except MoveProtocolError as exc:  # a destination contradicted its session: ignored
+                    log.warning("KV move %s: a %s ignored: %s", msg.session, type(msg).__name__, exc)
+                except Exception:  # a bug: loud, but one message must not end this thread
+                    log.exception("KV move %s: handling a %s failed", msg.session, type(msg).__name__)
         now = time.monotonic()
         for out in list(self._out.values()):
             if out.session is not None:
@@ -350,8 +357,9 @@ class KVSender:
         if out is not None and out.session is s:
             self._guard(out.request_id, self._on_answer, out, s, msg)
             return
-        # An ended session: a destination that still holds blocks for it is told to let them go.
-        if isinstance(msg, Decision) or not s.finished:
+        # An ended session: a destination that still holds blocks for it is told to let them go. The
+        # rest (a decision, a probe's late answer) has nothing left to act on.
+        if not isinstance(msg, Reserved | CommitAck | Abort) or not s.finished:
             return
         for action in s.receive(msg, time.monotonic()):
             if isinstance(action, Send):
