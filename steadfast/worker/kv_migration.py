@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.kv.moves.packing import layer_span, slots_for
+from steadfast.kv.moves.packing import layer_span, layer_spans, slots_for
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.sender_jobs import TransferOutcome, TransferResult
 from steadfast.kv.moves.transport import path_names
@@ -121,14 +121,12 @@ class OutgoingMigrations:
         self.scheduler.detach(r)
         m.paused_at = time.monotonic()
         # The rest, then zeros into the last reserved block (no slot of the move keeps its last owner's
-        # bytes): one frame per layer, the fewer messages the shorter the pause.
+        # bytes): one frame per layer, gathered at once and handed over with the COMMIT in one job.
         end = max(r.num_computed, (m.n_blocks - 1) * self.bs + 1)
         slots = slots_for(self.blocks.block_table(r.request_id), self.bs, m.sent, r.num_computed - m.sent)
-        for layer in range(self.arena.spec.num_layers if end > m.sent else 0):
-            data = layer_span(self.arena, layer, slots, zeros=end - r.num_computed)
-            self.sender.layer(m.msg.move, layer, m.sent, end - m.sent, data, False)
+        data = layer_spans(self.arena, slots, zeros=end - r.num_computed) if end > m.sent else []
+        self.sender.layers(m.msg.move, m.sent, end - m.sent, data, stream=False, commit=True)
         m.sent = end
-        self.sender.commit(m.msg.move)
 
     def _give_up(self, m: Migrating, why: str) -> None:
         """Abort the move; the request runs on here (scheduled again if it was paused) and the router
@@ -160,8 +158,10 @@ class OutgoingMigrations:
 
     def _stream(self, m: Migrating, start: int, count: int) -> None:
         slots = slots_for(self.blocks.block_table(m.request.request_id), self.bs, start, count)
-        for layer in range(self.arena.spec.num_layers):
-            self.sender.layer(m.msg.move, layer, start, count, layer_span(self.arena, layer, slots), True)
+        # Layer by layer (round 1 of a long context is ~100 MB: not gathered twice over at once), handed
+        # over in one job.
+        data = [layer_span(self.arena, layer, slots) for layer in range(self.arena.spec.num_layers)]
+        self.sender.layers(m.msg.move, start, count, data, stream=True, commit=False)
 
     def ended(self, request: Request) -> None:
         """The request ended here before its migration committed: the migration is given up."""

@@ -111,7 +111,7 @@ class WorkerLoop:
                 engine.sync.lease.beat()  # the lease lives only while this loop goes round
             # Busy: no wait. Only waiting to hear how KV transfers ended: a short one. Idle: long.
             # (Idle waits are short too: a SIGTERM, which does not interrupt the poll, is seen within them.)
-            wait = (2 if engine.only_waiting_on_transfers else 0) if engine.has_work else min(interval_ms, 100)
+            wait = (1 if engine.only_waiting_on_transfers else 0) if engine.has_work else min(interval_ms, 100)
             if self.inbox.poll(wait):
                 for msg in self.inbox.drain():
                     if isinstance(msg, AddRequest):

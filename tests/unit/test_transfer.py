@@ -12,7 +12,7 @@ from steadfast.config import TransferConfig
 from steadfast.env import transfer_fault_source
 from steadfast.kv.arena import ArenaSpec, KVArena
 from steadfast.kv.moves.faults import TransportFaults, fault_switch
-from steadfast.kv.moves.packing import layer_span, slots_for
+from steadfast.kv.moves.packing import layer_span, layer_spans, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.retry import RetryPolicy
 from steadfast.kv.moves.sender import KVSender
@@ -45,16 +45,23 @@ def wait_result(sender: KVSender, timeout: float = 10.0):
     raise AssertionError("no transfer result")
 
 
-def send(sender: KVSender, src: KVArena, addresses, layerwise: bool = True, num_tokens: int = 10) -> list[int]:
+def send(
+    sender: KVSender, src: KVArena, addresses, layerwise: bool = True, num_tokens: int = 10, batched: bool = False
+) -> list[int]:
     """Give a 10-token request held in source blocks [5, 9, 2] as two spans (streamed or kept for the
-    commit), then commit. Returns the source blocks."""
+    commit), then commit. `batched`: each span's layers gathered and handed over at once, the commit
+    with the last (what a migration does). Returns the source blocks."""
     src_blocks = [5, 9, 2]
     sender.begin("r", addresses, num_tokens)
     for start, count in [(0, 6), (6, 4)]:
         slots = slots_for(src_blocks, SPEC.block_size, start, count)
+        if batched:
+            sender.layers("r", start, count, layer_spans(src, slots), layerwise, commit=start + count == num_tokens)
+            continue
         for layer in range(SPEC.num_layers):
             sender.layer("r", layer, start, count, layer_span(src, layer, slots), layerwise)
-    sender.commit("r")
+    if not batched:
+        sender.commit("r")
     return src_blocks
 
 
@@ -66,13 +73,14 @@ def assert_same_kv(src: KVArena, dst: KVArena, src_blocks, dst_blocks, num_token
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
-def test_a_clean_transfer_delivers_every_byte(arenas, layerwise):
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_clean_transfer_delivers_every_byte(arenas, layerwise, batched):
     src, dst = arenas
     pool = FakePool(SPEC.num_blocks)
     rx = receiver(dst, pool)
     tx = KVSender(SPEC.num_layers, timeout_s=1.0, retries=2, backoff_s=0.01, block_size=SPEC.block_size)
     try:
-        src_blocks = send(tx, src, [("primary", rx.addresses[0])], layerwise)
+        src_blocks = send(tx, src, [("primary", rx.addresses[0])], layerwise, batched=batched)
         result = wait_result(tx)
         assert result.ok and result.path == "primary" and result.retries == 0 and result.fallbacks == 0
         assert len(result.block_ids) == 3

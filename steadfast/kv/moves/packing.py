@@ -23,6 +23,16 @@ def layer_span(arena: KVArena, layer: int, slots: torch.Tensor, zeros: int = 0) 
     return data.view(torch.uint8).numpy().tobytes()
 
 
+def layer_spans(arena: KVArena, slots: torch.Tensor, zeros: int = 0) -> list[bytes]:
+    """`layer_span` of every layer, gathered in one operation (a migration's round: all layers at once)."""
+    t = arena.tensor  # [layers, 2, kv_heads, blocks, block_size, dim]
+    layers, two, heads, blocks, bs, dim = t.shape
+    data = t.view(layers, two, heads, blocks * bs, dim).index_select(3, slots.to(t.device)).cpu()
+    if zeros:
+        data = torch.nn.functional.pad(data, (0, 0, 0, zeros))
+    return [data[layer].view(torch.uint8).numpy().tobytes() for layer in range(layers)]
+
+
 def write_span(arena: KVArena, layer: int, slots: torch.Tensor, data: bytes) -> None:
     """The inverse of `layer_span`: `data` ([2, kv_heads, len(slots), dim]) into `slots` of `layer`."""
     kv = arena.tensor[layer]

@@ -50,6 +50,7 @@ from steadfast.kv.moves.messages import (
 from steadfast.kv.moves.retry import RetryPolicy
 from steadfast.kv.moves.sender_jobs import (
     AbortJob,
+    Batch,
     Begin,
     CommitJob,
     Job,
@@ -156,6 +157,11 @@ class KVSender:
         keep it for the commit (send-after-prefill)."""
         self._jobs.put(Layer(request_id, layer, start, count, data, stream))
 
+    def layers(self, request_id: str, start: int, count: int, data: list[bytes], stream: bool, commit: bool) -> None:
+        """`layer` for every layer at once (`data[i]`: layer i's), then `commit` if asked: one hand-over."""
+        jobs: list[Layer | CommitJob] = [Layer(request_id, i, start, count, d, stream) for i, d in enumerate(data)]
+        self._jobs.put(Batch((*jobs, CommitJob(request_id)) if commit else tuple(jobs)))
+
     def commit(self, request_id: str) -> None:
         """Every token's KV has been given: send what is left, then the commit, and wait for the ack."""
         self._jobs.put(CommitJob(request_id))
@@ -198,6 +204,9 @@ class KVSender:
                 for rid in job.request_ids:
                     if rid in self._out:
                         self._out[rid].alive = now
+            elif isinstance(job, Batch):
+                for j in job.jobs:
+                    self._guard(j.request_id, self._job, j)
             elif job is not None:
                 self._guard(job.request_id, self._job, job)
             self._poll()
@@ -205,7 +214,7 @@ class KVSender:
     def _wait(self) -> float | None:
         """How long the thread may sleep on its job queue: briefly while an answer is awaited."""
         waiting = any(o.session is not None and o.session.state is not SourceState.COPYING for o in self._out.values())
-        return 0.002 if waiting else (min(0.2, self.timeout_s / 4) if self._sessions else None)
+        return 0.0005 if waiting else (min(0.2, self.timeout_s / 4) if self._sessions else None)
 
     def _guard(self, rid: str, fn, *args) -> None:  # noqa: ANN001 - a handler and its arguments
         try:

@@ -73,4 +73,12 @@ class Stop:
     pass
 
 
-Job = Begin | Layer | CommitJob | AbortJob | Touch | Stop
+@dataclass(frozen=True)
+class Batch:
+    """Several jobs of one move handed over at once: one wake-up of the sender's thread, not one each
+    (each wake-up takes the GIL from the engine thread that queued it)."""
+
+    jobs: tuple[Layer | CommitJob, ...]
+
+
+Job = Begin | Layer | CommitJob | AbortJob | Touch | Stop | Batch
