@@ -2,8 +2,8 @@
 
 The arena is a file (in /dev/shm by default) mapped MAP_SHARED, so any process of ours on the node that
 knows its path can map the same bytes: the engine that fills blocks is not the owner of the memory. Its
-files are private to our user and fully reserved when made (`arena_file.py`), and a new one's pages are
-faulted in on a background thread (`resident.py`), so no step pays for a page's first touch.
+files are private to our user and fully reserved when made (`arena_file.py`), and each process's mapping
+of them is populated on a background thread (`resident.py`), so no step pays for a page's first touch.
 
 Physical layout: `[num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]`.
 A block id names the same slot in every (layer, K/V, head) plane, so a block holds K and V of every
@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from steadfast.kv import arena_file
-from steadfast.kv.resident import fault_in_background
+from steadfast.kv.resident import make_resident
 from steadfast.kv.spec import ArenaSpec
 from steadfast.protocol import CudaIpcHandle
 
@@ -111,9 +111,7 @@ class KVArena:
         fd = arena_file.create(path, spec.nbytes)
         try:
             arena_file.write_private(str(_spec_path(path)), json.dumps(asdict(spec)))
-            arena = cls._map(fd, path, spec)
-            fault_in_background(fd, spec.nbytes, path)
-            return arena
+            return cls._map(fd, path, spec)
         except BaseException:
             os.unlink(path)
             raise
@@ -141,6 +139,7 @@ class KVArena:
         numel = spec.block_numel * spec.num_blocks
         # Through the descriptor that was checked, so the path cannot be swapped in between.
         flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=torch_dtype(spec))
+        make_resident(flat, fd, path)  # in the background: no later step pays for a first touch
         return cls(path, spec, flat.view(spec.shape))
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
