@@ -48,6 +48,7 @@ from steadfast.protocol import (
 )
 from steadfast.worker.engine import Engine, load_model
 from steadfast.worker.ledger_sync import LedgerSync
+from steadfast.worker.startup import StartupPhases
 
 log = logging.getLogger("steadfast.worker")
 
@@ -294,8 +295,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     outbox.send(loop.status(WorkerState.LOADING))
-    t0 = time.perf_counter()
+    phases = StartupPhases()
     loaded = load_model(cfg)
+    phases.mark("model")
     sync = None
     if args.pool:
         pool = PoolClient(args.pool, f"worker{args.worker_id}")
@@ -313,13 +315,16 @@ def main() -> None:
         engine = Engine(cfg, loaded, KVArena.create_device(spec, cfg.model.resolved_device))
     else:
         engine = Engine(cfg, loaded, KVArena.attach(args.arena))
+    phases.mark("kv")
     warm_up(engine)
+    phases.mark("warm-up")
     log.info(
-        "ready in %.1fs on %s: %d KV blocks of %d tokens",
-        time.perf_counter() - t0,
+        "ready in %.1fs on %s: %d KV blocks of %d tokens (%s)",
+        phases.total,
         engine.arena.device,
         engine.blocks.num_blocks,
         engine.blocks.block_size,
+        phases.summary(),
     )
     try:
         loop.run(engine)
