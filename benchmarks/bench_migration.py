@@ -384,6 +384,8 @@ def serve(args: argparse.Namespace, which: str, modes: list[str], tok: GGUFToken
         f"model: {{dtype: {args.dtype}, max_model_len: {max(args.contexts + [args.corun_context]) + 2048}}}\n"
         f"cache: {{kv_memory_mb: {args.kv_mb}}}\n"
         + SERVERS[which]
+        # What the encryption of the KV wire costs: the cross-node server with CURVE off (a trusted network).
+        + ("transfer: {curve: false}\n" if which == "cross" and args.no_curve else "")
         # The migrate call waits for the destination's first token: by recompute at 2048 tokens, longer
         # than the default 10 s.
         + "migration: {timeout: 120}\n"
@@ -427,6 +429,7 @@ def main() -> None:
     p.add_argument("--phase", type=float, default=3.0, help="co-running part: seconds per quiet or migrating phase")
     p.add_argument("--duration", type=float, default=48.0, help="co-running part: seconds of phases per mode")
     p.add_argument("--kv-mb", type=int, default=1024)
+    p.add_argument("--no-curve", action="store_true", help="the cross-node server's KV wire unencrypted")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "migration.json"))
     args = p.parse_args()
