@@ -59,6 +59,9 @@ class ModelConfig:
     # Decode attention: "auto" reads K/V in place with the C kernel where it runs (CPU with AVX-512 and a
     # C compiler), else gathers it with torch ops; "torch" always gathers (same results, slower).
     decode_attention: str = "auto"
+    # Workers of a node map the model read-only from one shared store (made by the first of them, in the
+    # arena folder, content-hash checked on every map), instead of each loading its own copy.
+    shared_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

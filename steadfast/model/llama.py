@@ -20,19 +20,21 @@ from steadfast.model.paged_attention import PagedAttention
 
 
 class Linear:
-    """`x @ weight.T`. In bf16 on CPU the weight is pre-packed once for oneDNN, which then skips the
-    per-call weight reorder: 1.5x (batch 64) to 2.6x (batch 1) faster, bit-identical results. fp32 keeps
-    the plain matmul, whose rounding the reference (`transformers`) shares."""
+    """`x @ weight_t`, from the transposed weight `[in_features, out_features]` as the compute layout
+    holds it (`compute_layout`; mapped read-only from the node's weight store, or a private copy). In
+    bf16 on CPU the weight is pre-packed once for oneDNN, which then skips the per-call weight reorder:
+    1.5x (batch 64) to 2.6x (batch 1) faster, bit-identical results; that packed copy is the worker's own
+    (oneDNN's opaque layout cannot live in a shared file). fp32 keeps the plain matmul, whose rounding the
+    reference (`transformers`) shares."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        # weight: [out_features, in_features]
+    def __init__(self, weight_t: torch.Tensor) -> None:
         self.packed: torch.Tensor | None = None
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        if weight_t.dtype == torch.bfloat16 and weight_t.device.type == "cpu" and torch.backends.mkldnn.is_available():
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), None)
             except (RuntimeError, AttributeError):  # a build without the op: fall back to the plain matmul
                 self.packed = None
-        self.weight_t = None if self.packed is not None else weight.t().contiguous()
+        self.weight_t = None if self.packed is not None else weight_t
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -86,38 +88,58 @@ class AttentionBatch:
     prefills: list[PrefillChunk]
 
 
+def compute_layout(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """The tensors the model computes with, from a GGUF's weights by name: fused projections (one matmul
+    for Q|K|V and one for gate|up keeps the op count low), every linear weight transposed and contiguous
+    (`Linear`), the LM head its own tensor even when tied to the embeddings. What the weight store keeps."""
+    out = {
+        "embed": weights["token_embd.weight"],
+        "final_norm": weights["output_norm.weight"],
+        "lm_head.t": weights.get("output.weight", weights["token_embd.weight"]).t().contiguous(),
+    }
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        qkv = torch.cat([weights[p + "attn_q.weight"], weights[p + "attn_k.weight"], weights[p + "attn_v.weight"]])
+        gate_up = torch.cat([weights[p + "ffn_gate.weight"], weights[p + "ffn_up.weight"]])
+        out |= {
+            f"{i}.attn_norm": weights[p + "attn_norm.weight"],
+            f"{i}.qkv.t": qkv.t().contiguous(),
+            f"{i}.o.t": weights[p + "attn_output.weight"].t().contiguous(),
+            f"{i}.ffn_norm": weights[p + "ffn_norm.weight"],
+            f"{i}.gate_up.t": gate_up.t().contiguous(),
+            f"{i}.down.t": weights[p + "ffn_down.weight"].t().contiguous(),
+        }
+    return out
+
+
 class LlamaModel:
     def __init__(
         self,
         cfg: LlamaConfig,
-        weights: dict[str, torch.Tensor],
+        layout: dict[str, torch.Tensor],
         dtype: torch.dtype,
         max_positions: int,
         paged: PagedAttention | None = None,
     ):
+        """`layout`: `compute_layout`'s tensors (used as they are: never written)."""
         self.cfg = cfg
         self.paged = paged  # decode attention in place (the runner then builds PagedDecodes)
         self.dtype = dtype
-        self.device = weights["token_embd.weight"].device
-        self.embed = weights["token_embd.weight"]
-        self.lm_head = Linear(weights.get("output.weight", self.embed))  # tied embeddings when absent
-        self.final_norm = weights["output_norm.weight"]
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"blk.{i}."
-            # Fused projections: one matmul for Q|K|V and one for gate|up keeps the op count low.
-            qkv = torch.cat([weights[p + "attn_q.weight"], weights[p + "attn_k.weight"], weights[p + "attn_v.weight"]])
-            gate_up = torch.cat([weights[p + "ffn_gate.weight"], weights[p + "ffn_up.weight"]])
-            self.layers.append(
-                (
-                    weights[p + "attn_norm.weight"],
-                    Linear(qkv),
-                    Linear(weights[p + "attn_output.weight"]),
-                    weights[p + "ffn_norm.weight"],
-                    Linear(gate_up),
-                    Linear(weights[p + "ffn_down.weight"]),
-                )
+        self.device = layout["embed"].device
+        self.embed = layout["embed"]
+        self.lm_head = Linear(layout["lm_head.t"])
+        self.final_norm = layout["final_norm"]
+        self.layers = [
+            (
+                layout[f"{i}.attn_norm"],
+                Linear(layout[f"{i}.qkv.t"]),
+                Linear(layout[f"{i}.o.t"]),
+                layout[f"{i}.ffn_norm"],
+                Linear(layout[f"{i}.gate_up.t"]),
+                Linear(layout[f"{i}.down.t"]),
             )
+            for i in range(cfg.num_layers)
+        ]
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)

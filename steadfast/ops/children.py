@@ -100,12 +100,15 @@ def worker_spec(
     node: int = 0,
     transfer: TransferSide | None = None,
     transfer_keys: tuple[str, ...] = (),
+    weights_dir: str = "",
 ) -> ChildSpec:
     """`transfer`: the worker's side of the KV wire between nodes (None: it goes by its role);
-    `transfer_keys`: the paths of its sides' key files (paths only: a key on a command line is public)."""
+    `transfer_keys`: the paths of its sides' key files (paths only: a key on a command line is public);
+    `weights_dir`: the folder of the node's weight store (empty: the worker loads its own copy)."""
     wire = (
         *(("--transfer-side", str(transfer)) if transfer is not None else ()),
         *(arg for path in transfer_keys for arg in ("--transfer-keys", path)),
+        *(("--weights-dir", weights_dir) if weights_dir else ()),
     )
     argv = (
         "steadfast.worker.main",

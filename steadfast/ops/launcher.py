@@ -240,7 +240,11 @@ class Launcher:
             side = TransferSide.SEND if role == WorkerRole.PREFILL else TransferSide.BOTH
         sides = (TransferSide.SEND, TransferSide.RECEIVE) if side is TransferSide.BOTH else (side,)
         keys = tuple(str(self._wire_keys[s]) for s in sides if s in self._wire_keys)
-        self._spawn(worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node, side, keys))
+        folder = self.arena_folder.path if self.arena_folder is not None else ""
+        weights = folder if self.cfg.model.shared_weights else ""  # the node's weight store lives beside its arena
+        self._spawn(
+            worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node, side, keys, weights)
+        )
         return address
 
     def _kill_fenced(self) -> None:

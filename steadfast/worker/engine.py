@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from steadfast.config import Config
 from steadfast.kv.arena import TORCH_DTYPES, KVArena
 from steadfast.kv.block_manager import BlockManager, BlockSource
@@ -20,7 +22,8 @@ from steadfast.kv.spec import arena_spec
 from steadfast.model import paged_attention
 from steadfast.model.gguf_loader import load_weights
 from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, read_config
-from steadfast.model.llama import LlamaModel
+from steadfast.model.llama import LlamaModel, compute_layout
+from steadfast.model.store import open_layout
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.protocol import AddRequest, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
 from steadfast.worker.detokenizer import Detokenizer
@@ -43,15 +46,24 @@ class LoadedModel:
     max_model_len: int
 
 
-def load_model(cfg: Config) -> LoadedModel:
+def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
+    """`weights_dir`: the folder of the node's weight store, where the compute layout is mapped from
+    (made there first if no worker has); empty, or `model.shared_weights` off: this worker's own copy."""
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
     limit = max_model_len(cfg, model_cfg)
     dtype = TORCH_DTYPES[cfg.model.dtype]
-    weights = load_weights(reader, model_cfg, dtype)
+
+    def build() -> dict[str, torch.Tensor]:
+        return compute_layout(load_weights(reader, model_cfg, dtype), model_cfg)
+
+    if weights_dir and cfg.model.shared_weights:
+        layout = open_layout(weights_dir, cfg.model.resolved_path, cfg.model.dtype, build)
+    else:
+        layout = build()
     device = cfg.model.resolved_device
     if device != "cpu":
-        weights = {name: w.to(device) for name, w in weights.items()}
+        layout = {name: w.to(device) for name, w in layout.items()}
     paged = None
     if cfg.model.decode_attention == "auto" and paged_attention.supports(
         dtype,
@@ -63,7 +75,7 @@ def load_model(cfg: Config) -> LoadedModel:
     ):
         paged = paged_attention.load()
     log.info("decode attention: %s", "in-place kernel" if paged is not None else "torch gather")
-    model = LlamaModel(model_cfg, weights, dtype, max_positions=limit, paged=paged)
+    model = LlamaModel(model_cfg, layout, dtype, max_positions=limit, paged=paged)
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
 
 

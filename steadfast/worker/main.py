@@ -274,6 +274,7 @@ def main() -> None:
     parser.add_argument("--device-arena", action="store_true", help="allocate a private arena in device memory")
     parser.add_argument("--pool", help="ZeroMQ address of the node's kvpool daemon")
     parser.add_argument("--role", type=WorkerRole, choices=list(WorkerRole), default=WorkerRole.MIXED)
+    parser.add_argument("--weights-dir", default="", help="folder of the node's weight store (empty: load a copy)")
     parser.add_argument("--transfer-side", type=TransferSide, choices=list(TransferSide), help="KV wire role")
     parser.add_argument(
         "--transfer-keys", action="append", help="file of a side's CURVE keys for the KV wire (0600; repeat for both)"
@@ -296,7 +297,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, on_term)
     outbox.send(loop.status(WorkerState.LOADING))
     phases = StartupPhases()
-    loaded = load_model(cfg)
+    loaded = load_model(cfg, args.weights_dir)
     phases.mark("model")
     sync = None
     if args.pool:
