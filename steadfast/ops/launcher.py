@@ -52,7 +52,7 @@ from steadfast.protocol import WorkerDied, WorkerJoined, WorkerRole
 log = logging.getLogger("steadfast.launcher")
 
 
-STANDBY_RESPAWN_DELAY_S = 2.0
+STANDBY_RESPAWN_DELAY_S = 2.0  # a replacement that loads its own model copy (`model.shared_weights: false`)
 # How long each kind of child gets to exit after its SIGTERM, before it is killed. The router's is on top
 # of `server.shutdown_timeout`: to send the error events of the streams it ended, and close (uvicorn's 5 s).
 ROUTER_STOP_GRACE_S = 10.0
@@ -282,10 +282,12 @@ class Launcher:
             except Exception as exc:  # the pool fences on lease expiry anyway; adoption then waits for it
                 log.warning("could not fence %s at once: %s", c.name, exc)
         self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1)))
-        # Not at once: loading a model takes both cores for seconds, and the takeover needs them now.
-        # Not at all when stopping.
+        # At once when the replacement maps the node's weight store (imports and a warm-up, no model to
+        # load); else a little later: loading a model takes both cores for seconds, and the takeover
+        # needs them now. Not at all when stopping.
         if self.phase is Phase.SERVING:
-            self._respawn_at.append((time.monotonic() + STANDBY_RESPAWN_DELAY_S, node))
+            delay = 0.0 if self.cfg.model.shared_weights else STANDBY_RESPAWN_DELAY_S
+            self._respawn_at.append((time.monotonic() + delay, node))
 
     def _respawn_due(self) -> list[Child]:
         """Start the standbys whose replacement time has come; return them."""

@@ -1,0 +1,151 @@
+"""Worker start-up benchmark: how soon a replacement standby is ready after a worker dies, when it loads
+its own copy of the model (`model.shared_weights: false`, what every worker did before the weight store)
+against when it maps the node's weight store; and the idle memory of each process of the default
+deployment (one mixed worker, one standby, bf16), in both modes, in one run.
+
+Per mode one server; `--kills` times the mixed worker is `kill -9`ed once a standby is ready (the standby
+takes over, the supervisor starts a replacement); the replacement's own log line gives its start to ready
+by phase (interpreter and imports, model, kv, warm-up), and the benchmark's clock the time from the kill
+to the replacement's report of ready. Memory of every process of the deployment, idle, before the first
+kill: RSS (which counts every shared page a process maps, the KV arena and the weight store in each) and
+PSS (shared pages divided among their mappers: the sum is what the deployment holds).
+
+    python benchmarks/bench_worker_start.py --kills 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import run_info, wait_until  # noqa: E402
+from tests.integration.server import ServerProcess  # noqa: E402
+
+MODES = {"load": "false", "mapped": "true"}
+READY = re.compile(r"worker(\d+)\[\d+\] INFO steadfast\.worker: ready in ([\d.]+)s .*\((.*)\)")
+
+
+def processes(sid: int) -> dict[str, dict[str, float]]:
+    """RSS and PSS (MiB) of every process of session `sid`, named by what it runs."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3]) != sid:
+                continue
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        args = [a.decode() for a in argv if a]
+        module = next((a for a in args if a.startswith("steadfast.")), "?")
+        name = module.removeprefix("steadfast.")
+        if "--worker-id" in args:
+            name = f"worker{args[args.index('--worker-id') + 1]}"
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in rollup.splitlines()[1:] if line.endswith("kB")}
+        out[name] = {"rss_mib": fields.get("Rss", 0) / 1024, "pss_mib": fields.get("Pss", 0) / 1024}
+    return out
+
+
+def workers(url: str) -> list[dict]:
+    return httpx.get(f"{url}/admin/workers", timeout=10).json()
+
+
+def standby_ready(url: str) -> dict | None:
+    return next((w for w in workers(url) if w["role"] == "standby" and w["state"] == "ready"), None)
+
+
+def run_mode(args: argparse.Namespace, mode: str) -> dict:
+    cfg = f"model: {{shared_weights: {MODES[mode]}}}\nserver: {{workers: 1, standby_workers: 1}}\n"
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-start-{mode}-"))
+    server = ServerProcess(tmp, cfg)
+    result: dict = {"config": cfg, "replacements": []}
+    try:
+        server.wait_ready(300)
+        wait_until(lambda: standby_ready(server.url), 300)
+        time.sleep(args.settle)  # idle: background page population done, nothing in flight
+        result["memory"] = processes(os.getsid(server.proc.pid))
+        for k in range(args.kills):
+            victim = next(w for w in workers(server.url) if w["role"] == "mixed")
+            before = {int(m.group(1)) for m in READY.finditer(server.output())}
+            t0 = time.monotonic()
+            os.kill(victim["pid"], signal.SIGKILL)
+            # The replacement: a worker id not ready before, ready now.
+            new = wait_until(
+                lambda b=before: [m for m in READY.finditer(server.output()) if int(m.group(1)) not in b], 300
+            )
+            seen_ready = time.monotonic() - t0
+            m = new[0]
+            phases = {p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1].rstrip("s")) for p in m.group(3).split(", ")}
+            row = {"worker": int(m.group(1)), "ready_in_s": float(m.group(2)), "phases_s": phases}
+            row["kill_to_ready_log_s"] = seen_ready
+            result["replacements"].append(row)
+            print(f"{mode} kill {k}: replacement worker{row['worker']} ready in {row['ready_in_s']:.1f}s {phases}")
+            wait_until(lambda: standby_ready(server.url), 300)
+            time.sleep(args.settle)
+    finally:
+        server.stop()
+    return result
+
+
+def summary(result: dict) -> dict:
+    reps = result["replacements"]
+    names = list(reps[0]["phases_s"]) if reps else []
+    return {
+        "ready_in_s_p50": statistics.median(r["ready_in_s"] for r in reps),
+        "after_imports_s_p50": statistics.median(
+            r["ready_in_s"] - r["phases_s"].get("interpreter and imports", 0) for r in reps
+        ),
+        **{f"{n}_s_p50": statistics.median(r["phases_s"][n] for r in reps) for n in names},
+        "kill_to_ready_s_p50": statistics.median(r["kill_to_ready_log_s"] for r in reps),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--settle", type=float, default=8.0, help="idle seconds before measuring memory and killing")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "worker_start.json"))
+    args = p.parse_args()
+    report = {**run_info(args), "modes": {}}
+    for mode in MODES:
+        r = run_mode(args, mode)
+        r["summary"] = summary(r)
+        report["modes"][mode] = r
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print("| mode | replacement ready in (p50) | of it after the imports | phases p50 | kill → ready log (p50) |")
+    print("|---|---|---|---|---|")
+    for mode, r in report["modes"].items():
+        s = r["summary"]
+        phases = ", ".join(
+            f"{k.removesuffix('_s_p50')} {v:.2f}s"
+            for k, v in s.items()
+            if k.endswith("_s_p50") and not k.startswith(("ready", "after", "kill"))
+        )
+        ready, after, kill = s["ready_in_s_p50"], s["after_imports_s_p50"], s["kill_to_ready_s_p50"]
+        print(f"| {mode} | {ready:.2f} s | {after:.2f} s | {phases} | {kill:.2f} s |")
+    print()
+    print("| mode | process | RSS | PSS |")
+    print("|---|---|---|---|")
+    for mode, r in report["modes"].items():
+        for name, m in sorted(r["memory"].items()):
+            print(f"| {mode} | {name} | {m['rss_mib']:.0f} MiB | {m['pss_mib']:.0f} MiB |")
+        total = {k: sum(m[k] for m in r["memory"].values()) for k in ("rss_mib", "pss_mib")}
+        print(f"| {mode} | **all** | {total['rss_mib']:.0f} MiB | **{total['pss_mib']:.0f} MiB** |")
+
+
+if __name__ == "__main__":
+    main()
