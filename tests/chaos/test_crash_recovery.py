@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -75,16 +76,17 @@ def chat_body(model: str, spec: dict, max_tokens: int = MAX_TOKENS) -> dict:
 
 
 class Stream(threading.Thread):
-    def __init__(self, url: str, model: str, spec: dict) -> None:
+    def __init__(self, url: str, model: str, spec: dict, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
-        self.url, self.model, self.spec = url, model, spec
+        self.url, self.model, self.spec, self.max_tokens = url, model, spec, max_tokens
         self.tokens: list[int] = []
+        self.arrivals: list[float] = []  # when each chunk with tokens came (monotonic)
         self.event_ids: list[str] = []
         self.finish: str | None = None
         self.error: str | None = None
 
     def run(self) -> None:
-        body = chat_body(self.model, self.spec)
+        body = chat_body(self.model, self.spec, self.max_tokens)
         try:
             with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=300) as r:
                 for line in r.iter_lines():
@@ -96,6 +98,8 @@ class Stream(threading.Thread):
                             self.error = chunk["error"]["message"]
                             return
                         for choice in chunk["choices"]:
+                            if choice.get("token_ids"):
+                                self.arrivals.append(time.monotonic())
                             self.tokens.extend(choice.get("token_ids", []))
                             self.finish = choice.get("finish_reason") or self.finish
         except Exception as exc:  # noqa: BLE001 - any failure is this stream's result
