@@ -32,7 +32,7 @@ import xxhash
 from steadfast.kv import arena_file
 from steadfast.kv.resident import make_resident
 from steadfast.kv.spec import ArenaSpec
-from steadfast.protocol import CudaIpcHandle
+from steadfast.protocol import CudaIpcHandle, PoolReply
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -42,7 +42,7 @@ def torch_dtype(spec: ArenaSpec) -> torch.dtype:
 
 
 def _spec_path(path: str) -> Path:
-    return Path(path + ".json")
+    return Path(arena_file.spec_path(path))
 
 
 class KVArena:
@@ -170,3 +170,8 @@ class KVArena:
             return
         for p in (Path(self.path), _spec_path(self.path)):
             p.unlink(missing_ok=True)
+
+
+def map_arena(reply: PoolReply) -> KVArena:
+    """Map the arena a pool reply names: by CUDA IPC handle for device memory, else by file path."""
+    return KVArena.attach_ipc(reply.cuda_ipc) if reply.cuda_ipc else KVArena.attach(reply.arena_path)

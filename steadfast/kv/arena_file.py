@@ -55,6 +55,22 @@ def create(path: str, nbytes: int) -> int:
     return fd
 
 
+def spec_path(path: str) -> str:
+    """Where the arena at `path` keeps its spec (its shape and dtype, JSON)."""
+    return path + ".json"
+
+
+def make_arena(path: str, nbytes: int, spec_json: str) -> None:
+    """A new arena file with its spec, as `KVArena.create` makes them but not mapped: for the launcher,
+    which makes a worker's private arena and must not import torch (the worker maps it)."""
+    os.close(create(path, nbytes))
+    try:
+        write_private(spec_path(path), spec_json)
+    except BaseException:
+        os.unlink(path)
+        raise
+
+
 def write_private(path: str, text: str) -> None:
     """Write a new file only we can read (refused if anything is at `path`)."""
     fd = os.open(path, _NEW | os.O_WRONLY, 0o600)

@@ -17,7 +17,6 @@ import msgspec
 import zmq
 
 from steadfast import protocol
-from steadfast.kv.arena import KVArena
 from steadfast.kv.ledger import FencedError, LedgerError
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.protocol import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolRelease, PoolReply, ToPool
@@ -123,11 +122,6 @@ class PoolClient:
     def release(self, block_ids: list[int], attempts: int | None = None) -> None:
         if block_ids:
             self._call(PoolRelease(self.worker, self.epoch, list(block_ids)), attempts)
-
-
-def map_arena(reply: PoolReply) -> KVArena:
-    """Map the arena a pool reply names: by CUDA IPC handle for device memory, else by file path."""
-    return KVArena.attach_ipc(reply.cuda_ipc) if reply.cuda_ipc else KVArena.attach(reply.arena_path)
 
 
 class LeaseKeeper:

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 
@@ -37,8 +37,7 @@ import zmq
 
 from steadfast import env, protocol
 from steadfast.config import Config
-from steadfast.kv.arena import KVArena
-from steadfast.kv.arena_file import ArenaSpaceError, check_space
+from steadfast.kv.arena_file import ArenaSpaceError, check_space, make_arena
 from steadfast.kv.ledger import LeaseState, Ledger
 from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
 from steadfast.kv.moves.curve import CurveUnavailableError, TransferSide, write_deployment_keys
@@ -118,7 +117,6 @@ class Launcher:
     run_dir: Path = Path()
     run_folder: ArenaDir | None = None
     children: list[Child] = field(default_factory=list)
-    arenas: list[KVArena] = field(default_factory=list)  # per-worker arenas (no pool), in arena_folder
     arena_folder: ArenaDir | None = None
     shared_files: list[str] = field(default_factory=list)
     nodes: list[PoolNode] = field(default_factory=list)
@@ -226,9 +224,9 @@ class Launcher:
         elif self.cfg.model.resolved_device != "cpu":
             source = ArenaSource(device=True)  # device memory cannot be made here and handed over
         else:
-            arena = KVArena.create(self._arena_path(f"worker{worker_id}.kv"), self._spec)
-            self.arenas.append(arena)
-            source = ArenaSource(arena_file=arena.path)
+            path = self._arena_path(f"worker{worker_id}.kv")
+            make_arena(path, self._spec.nbytes, json.dumps(asdict(self._spec)))  # the worker maps it
+            source = ArenaSource(arena_file=path)
         address = self._worker_address(worker_id)
         self.node_of[worker_id] = node
         self.role_of[worker_id] = role

@@ -23,14 +23,14 @@ from steadfast.config import Config, config_from_dict
 from steadfast.env import torch_threads, transfer_fault_source
 from steadfast.failpoints import stall
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
-from steadfast.kv.arena import KVArena
+from steadfast.kv.arena import KVArena, map_arena
 from steadfast.kv.moves import curve
 from steadfast.kv.moves.checks import IncomingLimits
 from steadfast.kv.moves.curve import CurveKeys, TransferSide
 from steadfast.kv.moves.faults import fault_switch
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
-from steadfast.kv.pool_client import LeaseLostError, PoolClient, map_arena
+from steadfast.kv.pool_client import LeaseLostError, PoolClient
 from steadfast.kv.spec import arena_spec
 from steadfast.protocol import (
     AbortRequest,

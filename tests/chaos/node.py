@@ -15,10 +15,10 @@ import zmq
 
 from steadfast import protocol
 from steadfast.config import Config
-from steadfast.kv.arena import KVArena
+from steadfast.kv.arena import KVArena, map_arena
 from steadfast.kv.ledger import Ledger
 from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.kv.pool_client import PoolClient, map_arena
+from steadfast.kv.pool_client import PoolClient
 from steadfast.kv.spec import arena_spec
 from steadfast.model.gguf_meta import open_gguf, read_config
 from steadfast.ops.children import ArenaSource, pool_spec, worker_spec

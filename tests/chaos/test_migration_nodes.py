@@ -24,10 +24,11 @@ import time
 import httpx
 import pytest
 
+from steadfast.kv.arena import map_arena
 from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger import BlockState
 from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.kv.pool_client import PoolClient, map_arena
+from steadfast.kv.pool_client import PoolClient
 from tests.conftest import wait_until
 from tests.integration.server import serving
 from tests.integration.test_migration import migrate, reference, stream_moved

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from steadfast.config import Config
-from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.arena import ArenaSpec, KVArena, map_arena
 from steadfast.kv.ledger import LeaseState
 from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.kv.pool_client import LeaseLostError, PoolClient, map_arena
+from steadfast.kv.pool_client import LeaseLostError, PoolClient
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,7 +71,8 @@ def test_a_handle_for_a_larger_arena_is_refused():
 
 WRITER = """
 import os, sys, time, torch
-from steadfast.kv.pool_client import PoolClient, map_arena
+from steadfast.kv.arena import map_arena
+from steadfast.kv.pool_client import PoolClient
 pool = PoolClient(sys.argv[1], "writer")
 arena = map_arena(pool.register(os.getpid()))
 block = pool.grant(4)[0]

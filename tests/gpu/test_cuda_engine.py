@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from steadfast.config import Config
-from steadfast.kv.arena import KVArena
+from steadfast.kv.arena import KVArena, map_arena
 from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger_url import open_ledger
-from steadfast.kv.pool_client import PoolClient, map_arena
+from steadfast.kv.pool_client import PoolClient
 from steadfast.kv.spec import arena_spec
 from steadfast.protocol import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine, load_model

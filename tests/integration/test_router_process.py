@@ -52,3 +52,11 @@ def test_the_router_process_does_not_load_torch(tmp_path: Path):
     # The same import graph in a fresh interpreter, checked by name.
     probe = "import sys, steadfast.control.main; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_the_launcher_modules_do_not_import_torch():
+    """The supervisor outlives every other process and only starts, watches and fences them, so its
+    modules must not pull torch in (a worker's private arena is made without mapping it: the worker maps
+    it). At run time `model.device: auto` still asks torch whether CUDA is there (`resolved_device`)."""
+    probe = "import sys, steadfast.ops.cli, steadfast.ops.launcher; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
