@@ -10,6 +10,10 @@ to the replacement's report of ready. Memory of every process of the deployment,
 kill: RSS (which counts every shared page a process maps, the KV arena and the weight store in each) and
 PSS (shared pages divided among their mappers: the sum is what the deployment holds).
 
+Then the chaos case: `--streams` closed-loop greedy clients while the mixed worker is `kill -9`ed every
+`--every` seconds, `--rounds` times (a kill may find the replacement still starting: a second failure
+within seconds of the first); each round's client stall, and failed requests.
+
     python benchmarks/bench_worker_start.py --kills 3
 """
 
@@ -23,6 +27,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +36,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import run_info, wait_until  # noqa: E402
+from benchmarks.common import Stream, prompt_of, run_info, wait_until  # noqa: E402
+from steadfast.config import default_model_path  # noqa: E402
+from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
 MODES = {"load": "false", "mapped": "true"}
@@ -95,9 +102,72 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
             print(f"{mode} kill {k}: replacement worker{row['worker']} ready in {row['ready_in_s']:.1f}s {phases}")
             wait_until(lambda: standby_ready(server.url), 300)
             time.sleep(args.settle)
+        result["chaos"] = chaos_part(args, server.url)
+        c = result["chaos"]
+        print(
+            f"{mode} chaos: {c['kills']} kills, stall p50 {c['stall_s_p50']:.2f}s max {c['stall_s_max']:.2f}s, "
+            f"{c['failed_requests']} of {c['requests']} requests failed"
+        )
     finally:
         server.stop()
     return result
+
+
+def chaos_part(args: argparse.Namespace, url: str) -> dict:
+    """`--streams` closed-loop greedy clients; every `--every` s, `--rounds` times, `kill -9` of the
+    mixed worker (none ready: that round kills nothing). A round's stall: the longest gap, among the
+    requests streaming across the kill, that contains the kill."""
+    tok = GGUFTokenizer.from_gguf(default_model_path())
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    requests: list[list[float]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        for k in range(10**6):
+            if stop.is_set():
+                return
+            s = Stream(url, model, prompt_of(tok, 64, f"client {i} request {k}"), args.chaos_tokens)
+            s.start()
+            s.join(600)
+            requests.append(s.arrivals)
+            if s.error:
+                errors.append(s.error)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.streams)]
+    for t in threads:
+        t.start()
+    time.sleep(args.every)
+    kills: list[float | None] = []
+    for _ in range(args.rounds):
+        mixed = [w for w in workers(url) if w["role"] == "mixed" and w["state"] == "ready"]
+        if mixed:
+            os.kill(mixed[0]["pid"], signal.SIGKILL)
+            kills.append(time.perf_counter())
+        else:
+            kills.append(None)
+        time.sleep(args.every)
+    wait_until(lambda: any(w["role"] == "mixed" and w["state"] == "ready" for w in workers(url)), 300)
+    time.sleep(args.every)
+    stop.set()
+    for t in threads:
+        t.join(600)
+    stalls = []
+    for at in kills:
+        if at is None:
+            continue
+        gaps = [b - a for arr in requests for a, b in zip(arr, arr[1:], strict=False) if a <= at < b]
+        stalls.append(max(gaps, default=0.0))
+    return {
+        "kills": len([k for k in kills if k is not None]),
+        "rounds_without_a_worker_to_kill": len([k for k in kills if k is None]),
+        "stall_s": stalls,
+        "stall_s_p50": statistics.median(stalls) if stalls else None,
+        "stall_s_max": max(stalls, default=None),
+        "requests": len(requests),
+        "failed_requests": len(errors),
+        "errors": errors[:10],
+    }
 
 
 def summary(result: dict) -> dict:
@@ -116,6 +186,10 @@ def summary(result: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8, help="chaos part: kills of the mixed worker")
+    p.add_argument("--every", type=float, default=3.0, help="chaos part: seconds between kills")
+    p.add_argument("--streams", type=int, default=6, help="chaos part: closed-loop clients")
+    p.add_argument("--chaos-tokens", type=int, default=64, help="chaos part: tokens per request")
     p.add_argument("--settle", type=float, default=8.0, help="idle seconds before measuring memory and killing")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "worker_start.json"))
     args = p.parse_args()
@@ -137,6 +211,15 @@ def main() -> None:
         )
         ready, after, kill = s["ready_in_s_p50"], s["after_imports_s_p50"], s["kill_to_ready_s_p50"]
         print(f"| {mode} | {ready:.2f} s | {after:.2f} s | {phases} | {kill:.2f} s |")
+    print()
+    print("| mode | kills | stall p50 | stall max | failed requests |")
+    print("|---|---|---|---|---|")
+    for mode, r in report["modes"].items():
+        c = r["chaos"]
+        print(
+            f"| {mode} | {c['kills']} | {c['stall_s_p50']:.2f} s | {c['stall_s_max']:.2f} s | "
+            f"{c['failed_requests']} of {c['requests']} |"
+        )
     print()
     print("| mode | process | RSS | PSS |")
     print("|---|---|---|---|")
