@@ -1,0 +1,73 @@
+"""No standby ready: a dead worker's requests go to a live worker of its node (the KV reserve the
+takeover keeps gives them room) at once, not to the replacement the supervisor starts. Two mixed workers
+and no standby; the busier one is killed mid-stream; every greedy fp32 stream comes out token-exact,
+each token once, and every takeover went to the survivor."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from steadfast.kv.pool import process_gone
+from tests.chaos.test_crash_recovery import Stream, admin, reference
+from tests.conftest import PROMPTS, wait_until
+from tests.integration.server import ServerProcess
+
+pytestmark = pytest.mark.chaos
+
+STREAMS = 4
+MAX_TOKENS = 96
+
+CONFIG = """
+model: {dtype: float32, device: cpu}
+cache: {kv_memory_mb: 256}
+server: {workers: 2, standby_workers: 0}
+fault_recovery:
+  kv_cache: {snapshot_interval_steps: 4, recovery_mode: ledger_first}
+"""
+
+
+def specs() -> list[dict]:
+    return [
+        {"prompt": f"{PROMPTS[i % len(PROMPTS)]} (no standby {i})", "temperature": 0.0, "seed": 9300 + i}
+        for i in range(STREAMS)
+    ]
+
+
+def test_without_a_standby_a_live_worker_takes_the_dead_ones_requests(
+    tmp_path, small_model, make_engine, small_config, small_model_path
+):
+    want = reference(small_model, make_engine, small_config, specs(), MAX_TOKENS)
+    server = ServerProcess(tmp_path, CONFIG, model=small_model_path)
+    try:
+        server.wait_ready()
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        streams = [Stream(server.url, model, s, MAX_TOKENS) for s in specs()]
+        for s in streams:
+            s.start()
+        wait_until(lambda: min(len(s.tokens) for s in streams) >= 8, 120, "every stream at 8 tokens")
+        mixed = [w for w in admin(server, "workers") if w["role"] == "mixed"]
+        assert len(mixed) == 2 and not [w for w in admin(server, "workers") if w["role"] == "standby"]
+        victim, survivor = sorted(mixed, key=lambda w: -w["in_flight"])
+        assert victim["in_flight"] > 0
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_until(lambda: process_gone(victim["pid"]), 10, "the killed worker to be gone")
+        for s in streams:
+            s.join(timeout=300)
+
+        for i, s in enumerate(streams):
+            assert s.error is None, (i, s.error)
+            assert s.finish == "length", (i, s.finish)
+            counts = [int(e.rsplit(":", 2)[1]) for e in s.event_ids]
+            assert counts == sorted(set(counts)) and counts[-1] == MAX_TOKENS, (i, counts)
+            assert s.tokens == want[i], f"stream {i} differs from the fault-free run"
+        moved = [t for t in admin(server, "takeovers") if t["from_worker"] == victim["id"]]
+        assert len(moved) == victim["in_flight"], moved
+        assert {t["to_worker"] for t in moved} == {survivor["id"]}, moved  # not the replacement
+        assert all(t["first_token_ms"] is not None for t in moved)
+    finally:
+        print(server.output()[-4000:])  # shown when the test fails
+        server.stop()
