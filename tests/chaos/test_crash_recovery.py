@@ -106,6 +106,33 @@ class Stream(threading.Thread):
             self.error = repr(exc)
 
 
+def assert_exact_once(streams: list[Stream], want: list[list[int]]) -> None:
+    """Every stream ended normally with the fault-free run's tokens, each exactly once."""
+    for i, s in enumerate(streams):
+        assert s.error is None, (i, s.error)
+        assert s.finish == "length", (i, s.finish)
+        # Event ids count the tokens the client holds: strictly increasing, ending at the total.
+        counts = [int(e.rsplit(":", 2)[1]) for e in s.event_ids]
+        assert counts == sorted(set(counts)) and counts[-1] == s.max_tokens, (i, counts)
+        assert s.tokens == want[i], f"stream {i} differs from the fault-free run"
+
+
+def small_server_config(server: str) -> str:
+    """A fault test's server on the small model: fp32 on the CPU, a small arena, adoption first."""
+    return (
+        "model: {dtype: float32, device: cpu}\ncache: {kv_memory_mb: 256}\n"
+        f"server: {server}\n"
+        "fault_recovery:\n  kv_cache: {snapshot_interval_steps: 4, recovery_mode: ledger_first}\n"
+    )
+
+
+def greedy_specs(count: int, tag: str, seed: int) -> list[dict]:
+    return [
+        {"prompt": f"{PROMPTS[i % len(PROMPTS)]} ({tag} {i})", "temperature": 0.0, "seed": seed + i}
+        for i in range(count)
+    ]
+
+
 def admin(server: ServerProcess, what: str) -> list[dict]:
     return httpx.get(f"{server.url}/admin/{what}", timeout=10).json()
 
@@ -156,13 +183,7 @@ def test_killed_workers_streams_resume_token_exactly(
             s.join(timeout=300)
 
         takeovers = admin(server, "takeovers")
-        for i, s in enumerate(streams):
-            assert s.error is None, (i, s.error)
-            assert s.finish == "length", (i, s.finish)
-            # Event ids count the tokens the client holds: strictly increasing, ending at the total.
-            counts = [int(e.rsplit(":", 2)[1]) for e in s.event_ids]
-            assert counts == sorted(set(counts)) and counts[-1] == MAX_TOKENS, (i, counts)
-            assert s.tokens == want[i], f"stream {i} differs from the fault-free run"
+        assert_exact_once(streams, want)
         assert len(killed) == KILLS and len({pid for _, pid in killed}) == KILLS
         for worker_id, _ in killed:
             moved = [t for t in takeovers if t["from_worker"] == worker_id]

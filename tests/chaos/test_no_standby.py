@@ -12,8 +12,15 @@ import httpx
 import pytest
 
 from steadfast.kv.pool import process_gone
-from tests.chaos.test_crash_recovery import Stream, admin, reference
-from tests.conftest import PROMPTS, wait_until
+from tests.chaos.test_crash_recovery import (
+    Stream,
+    admin,
+    assert_exact_once,
+    greedy_specs,
+    reference,
+    small_server_config,
+)
+from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
 
 pytestmark = pytest.mark.chaos
@@ -21,20 +28,11 @@ pytestmark = pytest.mark.chaos
 STREAMS = 4
 MAX_TOKENS = 96
 
-CONFIG = """
-model: {dtype: float32, device: cpu}
-cache: {kv_memory_mb: 256}
-server: {workers: 2, standby_workers: 0}
-fault_recovery:
-  kv_cache: {snapshot_interval_steps: 4, recovery_mode: ledger_first}
-"""
+CONFIG = small_server_config("{workers: 2, standby_workers: 0}")
 
 
 def specs() -> list[dict]:
-    return [
-        {"prompt": f"{PROMPTS[i % len(PROMPTS)]} (no standby {i})", "temperature": 0.0, "seed": 9300 + i}
-        for i in range(STREAMS)
-    ]
+    return greedy_specs(STREAMS, "no standby", 9300)
 
 
 def test_without_a_standby_a_live_worker_takes_the_dead_ones_requests(
@@ -58,12 +56,7 @@ def test_without_a_standby_a_live_worker_takes_the_dead_ones_requests(
         for s in streams:
             s.join(timeout=300)
 
-        for i, s in enumerate(streams):
-            assert s.error is None, (i, s.error)
-            assert s.finish == "length", (i, s.finish)
-            counts = [int(e.rsplit(":", 2)[1]) for e in s.event_ids]
-            assert counts == sorted(set(counts)) and counts[-1] == MAX_TOKENS, (i, counts)
-            assert s.tokens == want[i], f"stream {i} differs from the fault-free run"
+        assert_exact_once(streams, want)
         moved = [t for t in admin(server, "takeovers") if t["from_worker"] == victim["id"]]
         assert len(moved) == victim["in_flight"], moved
         assert {t["to_worker"] for t in moved} == {survivor["id"]}, moved  # not the replacement

@@ -13,8 +13,15 @@ import httpx
 import pytest
 
 from steadfast.kv.pool import process_gone
-from tests.chaos.test_crash_recovery import Stream, admin, reference
-from tests.conftest import PROMPTS, wait_until
+from tests.chaos.test_crash_recovery import (
+    Stream,
+    admin,
+    assert_exact_once,
+    greedy_specs,
+    reference,
+    small_server_config,
+)
+from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
 
 pytestmark = pytest.mark.chaos
@@ -22,20 +29,11 @@ pytestmark = pytest.mark.chaos
 STREAMS = 6
 MAX_TOKENS = 160  # long enough that both kills land mid-stream on the small model
 
-CONFIG = """
-model: {dtype: float32, device: cpu}
-cache: {kv_memory_mb: 256}
-server: {workers: 1, standby_workers: 1}
-fault_recovery:
-  kv_cache: {snapshot_interval_steps: 4, recovery_mode: ledger_first}
-"""
+CONFIG = small_server_config("{workers: 1, standby_workers: 1}")
 
 
 def specs() -> list[dict]:
-    return [
-        {"prompt": f"{PROMPTS[i % len(PROMPTS)]} (second failure {i})", "temperature": 0.0, "seed": 9100 + i}
-        for i in range(STREAMS)
-    ]
+    return greedy_specs(STREAMS, "second failure", 9100)
 
 
 def kill(worker: dict) -> None:
@@ -81,12 +79,7 @@ def test_a_second_failure_while_the_replacement_starts_loses_no_token(
         for s in streams:
             s.join(timeout=300)
 
-        for i, s in enumerate(streams):
-            assert s.error is None, (i, s.error)
-            assert s.finish == "length", (i, s.finish)
-            counts = [int(e.rsplit(":", 2)[1]) for e in s.event_ids]
-            assert counts == sorted(set(counts)) and counts[-1] == MAX_TOKENS, (i, counts)
-            assert s.tokens == want[i], f"stream {i} differs from the fault-free run"
+        assert_exact_once(streams, want)
         takeovers = admin(server, "takeovers")
         assert {t["from_worker"] for t in takeovers} >= {first["id"], second["id"]}, takeovers
         stall = max(b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:], strict=False))
