@@ -7,6 +7,8 @@ message naming the key, never later inside a worker. Environment variables are r
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 import importlib.util
 import re
 import typing
@@ -47,6 +49,16 @@ def default_model_path() -> str:
     raise ConfigError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
 
 
+@functools.cache
+def cpu_only_torch() -> bool:
+    """Whether the installed torch is a CPU-only wheel (its version says `+cpu`), read from its
+    metadata without importing it. False when unsure (not installed, another build): ask torch then."""
+    try:
+        return importlib.metadata.version("torch").endswith("+cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
@@ -81,6 +93,8 @@ class ModelConfig:
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
+        if cpu_only_torch():
+            return "cpu"  # such a build never sees a GPU: the launcher need not import torch to know
         import torch  # here, not at module import: the router never needs torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

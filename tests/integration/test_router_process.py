@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from steadfast.config import Config
+from steadfast.config import Config, cpu_only_torch
 
 pytestmark = pytest.mark.integration
 
@@ -54,9 +54,14 @@ def test_the_router_process_does_not_load_torch(tmp_path: Path):
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
-def test_the_launcher_modules_do_not_import_torch():
+def test_the_launcher_does_not_import_torch():
     """The supervisor outlives every other process and only starts, watches and fences them, so its
     modules must not pull torch in (a worker's private arena is made without mapping it: the worker maps
-    it). At run time `model.device: auto` still asks torch whether CUDA is there (`resolved_device`)."""
+    it), and with a CPU-only torch it knows `model.device: auto` is the CPU without asking torch."""
     probe = "import sys, steadfast.ops.cli, steadfast.ops.launcher; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
+
+    if cpu_only_torch():
+        probe = "import sys, steadfast.config as c; print(c.ModelConfig().resolved_device, 'torch' in sys.modules)"
+        got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+        assert got == "cpu False\n"
