@@ -9,8 +9,11 @@ This module never maps anything (that is `arena.py`) and never chooses the folde
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+
+from steadfast.kv.spec import ArenaSpec
 
 _NEW = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -108,3 +111,18 @@ def _refusal(st: os.stat_result) -> str:
 def read_private(path: str) -> str:
     with os.fdopen(open_private(path), "r") as f:
         return f.read()
+
+
+def check_arena(path: str) -> dict:
+    """The spec (as written, a dict) of the arena another process of ours made at `path`, once its files
+    are found private to us and the file's size is the one the spec says; refused otherwise."""
+    spec = json.loads(read_private(spec_path(path)))
+    fd = open_private(path)
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    want = ArenaSpec(**spec).nbytes
+    if size != want:
+        raise ValueError(f"KV arena {path} is {size} bytes, its spec says {want}")
+    return spec

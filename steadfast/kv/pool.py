@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import msgspec
@@ -26,10 +27,11 @@ import zmq
 from steadfast import protocol
 from steadfast.config import Config, config_from_dict
 from steadfast.ipc import die_with_parent, setup_logging
-from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.arena_file import check_arena, make_arena
 from steadfast.kv.ledger import FencedError, LeaseState, LedgerError, LedgerUnavailableError
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.pool_client import Throttled
+from steadfast.kv.spec import ArenaSpec
 from steadfast.protocol import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolReply, ToPool
 
 log = logging.getLogger("steadfast.kvpool")
@@ -57,19 +59,23 @@ class KVPool:
         self.ttl_s = cfg.fault_recovery.lease.lease_timeout_ms / 1000
         self.ledger_url = ledger_url
         self.ledger = open_ledger(ledger_url)
+        # On the CPU the arena is a file the pool makes and never maps (its workers do): no torch here.
+        self.arena_path, self.spec, self.device_arena = arena_path, spec, None
         if device != "cpu":
+            from steadfast.kv.arena import KVArena  # device memory is torch's to allocate and share
+
             # Device memory dies with its process: a restarted daemon starts a new arena, and whatever
             # the ledger says of the old one's blocks is void.
-            self.arena = KVArena.create_device(spec, device)
+            self.device_arena, self.arena_path = KVArena.create_device(spec, device), ""
             if self.ledger.blocks():
                 self.ledger.arena_replaced()
                 log.warning("new device arena: every earlier lease fenced, every block freed")
         elif Path(arena_path).exists():
-            self.arena = KVArena.attach(arena_path)  # a restart: the bytes are still there
-            log.info("re-attached KV arena %s (%d blocks)", arena_path, self.arena.spec.num_blocks)
+            self.spec = ArenaSpec(**check_arena(arena_path))  # a restart: the bytes are still there
+            log.info("re-attached KV arena %s (%d blocks)", arena_path, self.spec.num_blocks)
         else:
-            self.arena = KVArena.create(arena_path, spec)
-        self.ledger.format(self.arena.spec.num_blocks)
+            make_arena(arena_path, spec.nbytes, json.dumps(asdict(spec)))
+        self.ledger.format(self.spec.num_blocks)
         self._reclaimed: set[tuple[str, int]] = set()  # (worker, fenced epoch) already reclaimed
         self.window_s = cfg.fault_recovery.request.idempotency_window
         # A row outlives the window by at most half of it (30 s at most); a scan per tick would cost for nothing.
@@ -126,11 +132,11 @@ class KVPool:
         return PoolReply(True, epoch, block_ids=sealed)
 
     def _where(self, reply: PoolReply) -> PoolReply:
-        reply.arena_path = self.arena.path
+        reply.arena_path = self.arena_path
         reply.ledger_url = self.ledger_url
-        if self.arena.device.type == "cuda":
+        if self.device_arena is not None:
             # A device arena travels as an IPC handle, one per importer (torch counts each of them).
-            reply.cuda_ipc = self.arena.export_ipc()
+            reply.cuda_ipc = self.device_arena.export_ipc()
         return reply
 
     def arbitrate(self) -> None:

@@ -153,4 +153,5 @@ def test_the_daemon_loop_prunes_request_rows_past_the_idempotency_window(tmp_pat
     finally:
         sock.close()
         pool.close()
-        pool.arena.unlink()
+        for path in (pool.arena_path, pool.arena_path + ".json"):
+            os.unlink(path)
