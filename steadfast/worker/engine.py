@@ -15,6 +15,7 @@ import torch
 
 from steadfast.config import Config
 from steadfast.kv.arena import TORCH_DTYPES, KVArena
+from steadfast.kv.arena_file import ArenaSpaceError
 from steadfast.kv.block_manager import BlockManager, BlockSource
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
@@ -57,9 +58,13 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
     def build() -> dict[str, torch.Tensor]:
         return compute_layout(load_weights(reader, model_cfg, dtype), model_cfg)
 
+    layout = None
     if weights_dir and cfg.model.shared_weights:
-        layout = open_layout(weights_dir, cfg.model.resolved_path, cfg.model.dtype, build)
-    else:
+        try:
+            layout = open_layout(weights_dir, cfg.model.resolved_path, cfg.model.dtype, build)
+        except (OSError, ArenaSpaceError) as exc:  # no room in the folder, say: this worker still serves
+            log.warning("weight store not usable, loading a copy of the model of this worker's own: %s", exc)
+    if layout is None:
         layout = build()
     device = cfg.model.resolved_device
     if device != "cpu":

@@ -85,3 +85,17 @@ def test_another_dtype_or_a_changed_file_is_another_store(tmp_path, gguf):
     assert store.store_key(gguf, "bfloat16") != first
     os.utime(gguf, ns=(1, 1))
     assert store.store_key(gguf, "float32") != first
+
+
+def test_a_folder_without_room_for_the_store_leaves_the_worker_its_own_copy(tmp_path, monkeypatch, caplog):
+    from steadfast.config import Config
+    from steadfast.kv.arena_file import ArenaSpaceError
+    from steadfast.worker import engine
+
+    def no_room(folder, nbytes, what="the KV arena"):
+        raise ArenaSpaceError(f"{what} needs {nbytes} bytes; {folder} has 0 free")
+
+    monkeypatch.setattr(store, "check_space", no_room)
+    loaded = engine.load_model(Config().replace(model={"dtype": "float32"}), str(tmp_path))
+    assert loaded.model.embed.shape[0] == loaded.model_cfg.vocab_size
+    assert "weight store not usable" in caplog.text and not list(tmp_path.glob("model-*.bin"))
