@@ -65,7 +65,7 @@ def reference(small_config, small_model) -> dict[int, list[int]]:
                 reqs.append(AddRequest(f"r{i}", small_model.tokenizer.encode(b["prompt"]), params))
             out = engine.generate(reqs)
         finally:
-            os.unlink(path)
+            engine.arena.unlink()  # the file and its spec
         _REFERENCE.update({i: [t for o in out[f"r{i}"] for t in o.token_ids] for i in range(DISTINCT)})
     return _REFERENCE
 

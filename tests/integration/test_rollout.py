@@ -48,7 +48,7 @@ def want(small_config, small_model) -> dict[int, list[int]]:
         reqs = [AddRequest(f"r{i}", small_model.tokenizer.encode(PROMPTS[i]), params) for i in range(CLIENTS)]
         out = engine.generate(reqs)
     finally:
-        os.unlink(path)
+        engine.arena.unlink()  # the file and its spec
     return {i: [t for o in out[f"r{i}"] for t in o.token_ids] for i in range(CLIENTS)}
 
 
