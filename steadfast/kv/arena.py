@@ -121,15 +121,8 @@ class KVArena:
     @classmethod
     def attach(cls, path: str) -> KVArena:
         """Map the arena another process of ours made; refused if its files are not private to us."""
+        spec, fd = arena_file.open_arena(path, os.O_RDWR)
         try:
-            spec = ArenaSpec(**json.loads(arena_file.read_private(str(_spec_path(path)))))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no KV arena at {path}") from None
-        fd = arena_file.open_private(path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            if size != spec.nbytes:
-                raise ValueError(f"KV arena {path} is {size} bytes, its spec says {spec.nbytes}")
             return cls._map(fd, path, spec)
         finally:
             os.close(fd)

@@ -113,16 +113,17 @@ def read_private(path: str) -> str:
         return f.read()
 
 
-def check_arena(path: str) -> dict:
-    """The spec (as written, a dict) of the arena another process of ours made at `path`, once its files
-    are found private to us and the file's size is the one the spec says; refused otherwise."""
-    spec = json.loads(read_private(spec_path(path)))
-    fd = open_private(path)
+def open_arena(path: str, flags: int = os.O_RDONLY) -> tuple[ArenaSpec, int]:
+    """The spec of the arena another process of ours made at `path` and its file open with `flags`, once
+    both files are found private to us and the file's size is the one the spec says (the caller maps,
+    or closes, that very descriptor: the path cannot be swapped in between); refused otherwise."""
     try:
-        size = os.fstat(fd).st_size
-    finally:
+        spec = ArenaSpec(**json.loads(read_private(spec_path(path))))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no KV arena at {path}") from None
+    fd = open_private(path, flags)
+    size = os.fstat(fd).st_size
+    if size != spec.nbytes:
         os.close(fd)
-    want = ArenaSpec(**spec).nbytes
-    if size != want:
-        raise ValueError(f"KV arena {path} is {size} bytes, its spec says {want}")
-    return spec
+        raise ValueError(f"KV arena {path} is {size} bytes, its spec says {spec.nbytes}")
+    return spec, fd

@@ -27,7 +27,7 @@ import zmq
 from steadfast import protocol
 from steadfast.config import Config, config_from_dict
 from steadfast.ipc import die_with_parent, setup_logging
-from steadfast.kv.arena_file import check_arena, make_arena
+from steadfast.kv.arena_file import make_arena, open_arena
 from steadfast.kv.ledger import FencedError, LeaseState, LedgerError, LedgerUnavailableError
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.pool_client import Throttled
@@ -71,7 +71,8 @@ class KVPool:
                 self.ledger.arena_replaced()
                 log.warning("new device arena: every earlier lease fenced, every block freed")
         elif Path(arena_path).exists():
-            self.spec = ArenaSpec(**check_arena(arena_path))  # a restart: the bytes are still there
+            self.spec, fd = open_arena(arena_path)  # a restart: the bytes are still there
+            os.close(fd)
             log.info("re-attached KV arena %s (%d blocks)", arena_path, self.spec.num_blocks)
         else:
             make_arena(arena_path, spec.nbytes, json.dumps(asdict(spec)))
