@@ -379,7 +379,12 @@ def test_a_worker_dying_mid_transfer_loses_nothing(tmp_path, small_model, small_
 
         # 1. The prefill worker is killed while it streams the prompt's layers.
         a.send(0, AddRequest("k0", ids, reqs[0].params, decode_worker=1, kv_paths=kv_paths))
-        time.sleep(0.8)
+        # Killed once worker 1 holds the transfer's reservation (not after a fixed sleep: on a loaded
+        # machine the first layers may not have left yet).
+        deadline = time.monotonic() + 60
+        while not any(blk.owner == "worker1" for blk in b.ledger().blocks()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # a few chunks in
         assert not a.outputs(timeout=0.05), "the prompt finished before the kill"
         victim = a.workers[0]
         os.kill(victim.pid, signal.SIGKILL)
