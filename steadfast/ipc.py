@@ -33,6 +33,7 @@ def setup_logging(name: str) -> None:
     logging.basicConfig(
         level=env.log_level(),
         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        force=True,  # a worker forked by the zygote replaces the zygote's handler (its name)
     )
 
 

@@ -46,7 +46,7 @@ from steadfast.protocol import (
     WorkerState,
     WorkerStatus,
 )
-from steadfast.worker.engine import Engine, load_model
+from steadfast.worker.engine import Engine, LoadedModel, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.startup import StartupPhases
 
@@ -264,7 +264,9 @@ def warm_up(engine: Engine) -> None:
         engine.sync = sync
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> None:
+    """`argv`: the arguments (default: the command line's); `loaded`: the model already built, in a worker
+    forked by its node's zygote (worker/zygote.py), which then only builds its own small state."""
     parser = argparse.ArgumentParser(description="Steadfast worker process")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--worker-id", type=int, required=True)
@@ -279,7 +281,7 @@ def main() -> None:
     parser.add_argument(
         "--transfer-keys", action="append", help="file of a side's CURVE keys for the KV wire (0600; repeat for both)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     die_with_parent()
     setup_logging(f"worker{args.worker_id}")
     cfg = config_from_dict(json.loads(args.config_json))
@@ -296,8 +298,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     outbox.send(loop.status(WorkerState.LOADING))
-    phases = StartupPhases()
-    loaded = load_model(cfg, args.weights_dir)
+    phases = StartupPhases("interpreter and imports" if loaded is None else "fork")
+    if loaded is None:
+        loaded = load_model(cfg, args.weights_dir)
     phases.mark("model")
     sync = None
     if args.pool:
@@ -317,6 +320,7 @@ def main() -> None:
     else:
         engine = Engine(cfg, loaded, KVArena.attach(args.arena))
     phases.mark("kv")
+    stall(f"worker{args.worker_id}_start")  # a fault test's slow start (unarmed: one lookup)
     warm_up(engine)
     phases.mark("warm-up")
     log.info(
