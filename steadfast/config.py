@@ -74,6 +74,9 @@ class ModelConfig:
     # Workers of a node map the model read-only from one shared store (made by the first of them, in the
     # arena folder, content-hash checked on every map), instead of each loading its own copy.
     shared_weights: bool = True
+    # With shared_weights: one process per host imports torch and builds the model once, and every new
+    # worker is forked from it (ready in a fraction of a second, model pages shared); false: exec'd.
+    fork_workers: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -19,12 +19,14 @@ class ChildKind(enum.Enum):
     POOL = "kvpool"
     WORKER = "worker"
     ROUTER = "router"
+    ZYGOTE = "zygote"  # forks the workers (ops/zygote_client.py)
 
 
 class OnExit(enum.Enum):
     RESTART = "restart"  # start it again with the same command (a pool re-attaches arena and ledger)
     REPLACE = "replace"  # a worker: fence it, move its requests, start a standby in its place later
     RESTART_ROUTER = "restart_router"  # again, on the workers alive now; clients resume by Last-Event-ID
+    RESTART_ZYGOTE = "restart_zygote"  # again if it had been ready; workers are exec'd meanwhile
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from steadfast.kv.spec import ArenaSpec, arena_spec
 from steadfast.model.gguf_meta import open_gguf, read_config
 from steadfast.ops.arena_dir import ArenaDir
 from steadfast.ops.children import ArenaSource, ChildKind, ChildSpec, OnExit, pool_spec, router_spec, worker_spec
+from steadfast.ops.zygote_client import Process, Zygote, become_subreaper, reap_orphans
 from steadfast.protocol import WorkerDied, WorkerJoined, WorkerRole
 
 log = logging.getLogger("steadfast.launcher")
@@ -55,6 +56,7 @@ STANDBY_RESPAWN_DELAY_S = 2.0  # a replacement that loads its own model copy (`m
 # How long each kind of child gets to exit after its SIGTERM, before it is killed. The router's is on top
 # of `server.shutdown_timeout`: to send the error events of the streams it ended, and close (uvicorn's 5 s).
 ROUTER_STOP_GRACE_S = 10.0
+ORPHAN_REAP_S = 5.0
 WORKER_STOP_S = 10.0  # a worker with no request exits at once (it may be loading the model still)
 POOL_STOP_S = 10.0
 
@@ -79,7 +81,7 @@ def hand_keys_to_children(cfg: Config) -> None:
 @dataclass
 class Child:
     spec: ChildSpec
-    proc: subprocess.Popen[bytes]
+    proc: Process  # a subprocess.Popen, or a worker the zygote forked
     stopping_since: float | None = None  # when it was sent SIGTERM by the launcher's stop
 
     @property
@@ -125,6 +127,8 @@ class Launcher:
     pool_restarts: int = 0
     next_worker_id: int = 0
     phase: Phase = Phase.SERVING
+    zygote: Zygote | None = None  # forks the workers (`model.fork_workers`)
+    _next_reap: float = 0.0  # (a subreaper adopts every orphan below it: see reap_orphans)
     _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
 
     def __post_init__(self) -> None:
@@ -171,6 +175,7 @@ class Launcher:
             self._wire_keys = write_deployment_keys(self.run_dir) if wire_keys else {}
         except CurveUnavailableError as exc:
             raise StartupError(str(exc)) from None
+        self._start_zygote()
         for worker_id, (role, node) in enumerate(placed):
             self._spawn_worker(worker_id, role, node)
         active = [i for i, (role, _) in enumerate(placed) if role != WorkerRole.STANDBY]
@@ -186,6 +191,41 @@ class Launcher:
             f" per node, {len(self.nodes)} node(s)" if self.nodes else " per worker",
         )
         self._wait_healthy()
+
+    def _start_zygote(self) -> None:
+        """With `model.fork_workers`, the process every worker is forked from; it builds the node's weight
+        store (or maps it) before the first worker starts. Without it, or if it fails, workers are exec'd."""
+        model = self.cfg.model
+        if not (model.shared_weights and model.fork_workers and self.arena_folder is not None):
+            return
+        if not become_subreaper():
+            log.warning("cannot be a child subreaper here: workers start from a fresh interpreter")
+            return
+        self.zygote = Zygote(self._cfg_json, self.arena_folder.path)
+        self._spawn_zygote()
+        self.zygote.ready(timeout=self.cfg.server.startup_timeout_s)
+
+    def _spawn_zygote(self) -> Child:
+        assert self.zygote is not None
+        proc = self.zygote.start()
+        spec = ChildSpec(ChildKind.ZYGOTE, "zygote", ("steadfast.worker.zygote",), OnExit.RESTART_ZYGOTE)
+        child = Child(spec, proc)
+        self.children.append(child)
+        return child
+
+    def _zygote_died(self, c: Child) -> Child | None:
+        """A zygote that had been ready is started again (its workers live on: they are not its
+        children); one that died starting is not (workers are exec'd from then on)."""
+        assert self.zygote is not None
+        if self.zygote.proc is not c.proc:
+            return None  # a zygote replaced already (a rollout's restart)
+        self.zygote.close()
+        if not self.zygote.was_ready or self.phase is not Phase.SERVING:
+            if self.phase is Phase.SERVING:
+                log.error("the worker zygote exited with code %s; workers are exec'd", c.proc.returncode)
+            return None
+        log.error("the worker zygote (pid %d) exited with code %s; restarting it", c.proc.pid, c.proc.returncode)
+        return self._spawn_zygote()
 
     def _check_arena_space(self, count: int, spec: ArenaSpec) -> None:
         """Fail now, with the sizes, if the arena folder cannot hold the `count` arenas of this start
@@ -217,8 +257,9 @@ class Launcher:
         )
         return self._spawn(self._router_spec(alive, []))
 
-    def _spawn_worker(self, worker_id: int, role: WorkerRole, node: int = 0) -> str:
-        """Start worker `worker_id` (its lease is named after it) on `node`; return its input address."""
+    def _spawn_worker(self, worker_id: int, role: WorkerRole, node: int = 0, fresh: bool = False) -> str:
+        """Start worker `worker_id` (its lease is named after it) on `node`; return its input address.
+        Forked by the zygote when there is one ready, unless `fresh` (exec'd: it runs the code on disk)."""
         if self.nodes:
             source = ArenaSource(pool=self.nodes[node].address)
         elif self.cfg.model.resolved_device != "cpu":
@@ -240,9 +281,12 @@ class Launcher:
         keys = tuple(str(self._wire_keys[s]) for s in sides if s in self._wire_keys)
         folder = self.arena_folder.path if self.arena_folder is not None else ""
         weights = folder if self.cfg.model.shared_weights else ""  # the node's weight store lives beside its arena
-        self._spawn(
-            worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node, side, keys, weights)
-        )
+        spec = worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node, side, keys, weights)
+        forked = None if fresh or self.zygote is None else self.zygote.fork(list(spec.argv[1:]))
+        if forked is not None:
+            self.children.append(Child(spec, forked))
+        else:
+            self._spawn(spec)
         return address
 
     def _kill_fenced(self) -> None:
@@ -316,11 +360,21 @@ class Launcher:
             if ask.like not in self.node_of:
                 log.warning("asked for a worker like worker %d, which is not running", ask.like)
                 continue
+            if not started:
+                started += self._renew_zygote()
             new_id, role = self.next_worker_id, self.role_of[ask.like]
-            address = self._spawn_worker(new_id, role, self.node_of[ask.like])
+            address = self._spawn_worker(new_id, role, self.node_of[ask.like], fresh=True)
             log.info("started worker %d (%s) to replace worker %d", new_id, role, ask.like)
             self._notices.send(protocol.encode(WorkerJoined(new_id, address, role, ask.like)))
             started.append(self.children[-1])
+
+    def _renew_zygote(self) -> list[Child]:
+        """A rollout's workers are exec'd, so they run the code on disk now; the zygote is started again
+        for the same reason (later replacements are forked from the new code once it is ready). The old
+        one exits when its socket closes; its exit is ignored."""
+        if self.zygote is None or self.zygote.proc is None:
+            return []
+        return [self._spawn_zygote()]
 
     def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec) -> None:
         configured = self.cfg.fault_recovery.kv_cache.resolved_ledger_url
@@ -357,7 +411,7 @@ class Launcher:
         deadline = time.monotonic() + self.cfg.server.startup_timeout_s
         while time.monotonic() < deadline:
             for c in self.children:
-                if c.proc.poll() is not None:
+                if c.proc.poll() is not None and c.spec.kind is not ChildKind.ZYGOTE:  # (workers exec'd then)
                     raise StartupError(f"{c.name} exited with code {c.proc.returncode} during start-up")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
@@ -386,6 +440,11 @@ class Launcher:
                     handled = len(signals)
                     self._drain_router(signals[-1])
                 self._kill_fenced()
+                if self.zygote is not None:
+                    self.zygote.ready()  # a restarted one's word, taken as soon as it comes
+                if self.zygote is not None and time.monotonic() >= self._next_reap:
+                    self._next_reap = time.monotonic() + ORPHAN_REAP_S
+                    reap_orphans({c.proc.pid for c in self.children})
                 if self.phase is Phase.SERVING:
                     for fresh in self._respawn_due() + self._requested():
                         pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
@@ -441,6 +500,8 @@ class Launcher:
             return None
         if action is OnExit.RESTART_ROUTER:
             return self._router_died(c)
+        if action is OnExit.RESTART_ZYGOTE:
+            return self._zygote_died(c)
         # A pool: the arena and ledger outlive the daemon; a new one re-attaches both and the workers,
         # which retry their pool requests, carry on.
         log.error("%s (pid %d) exited with code %s; restarting it", c.name, c.proc.pid, c.proc.returncode)
@@ -452,9 +513,12 @@ class Launcher:
         first), the workers (which release their leases through their pools), the pools; then remove
         this launcher's files."""
         self.phase = Phase.STOPPING
+        if self.zygote is not None:
+            self.zygote.close()  # (it exits when its socket closes; SIGTERM below otherwise)
         router_s = self.cfg.server.shutdown_timeout + ROUTER_STOP_GRACE_S
         for kind, limit in (
             (ChildKind.ROUTER, router_s),
+            (ChildKind.ZYGOTE, WORKER_STOP_S),
             (ChildKind.WORKER, WORKER_STOP_S),
             (ChildKind.POOL, POOL_STOP_S),
         ):
