@@ -1,11 +1,12 @@
 """Worker start-up benchmark: how soon a replacement standby is ready after a worker dies, when it loads
-its own copy of the model (`model.shared_weights: false`, what every worker did before the weight store)
-against when it maps the node's weight store; and the idle memory of each process of the default
-deployment (one mixed worker, one standby, bf16), in both modes, in one run.
+its own copy of the model (`model.shared_weights: false`, what every worker did before the weight store),
+when it maps the node's weight store from a fresh interpreter (`fork_workers: false`), and when the
+zygote forks it (the default); and the idle memory of each process of the default deployment (one mixed
+worker, one standby, bf16), in every mode, in one run.
 
 Per mode one server; `--kills` times the mixed worker is `kill -9`ed once a standby is ready (the standby
 takes over, the supervisor starts a replacement); the replacement's own log line gives its start to ready
-by phase (interpreter and imports, model, kv, warm-up), and the benchmark's clock the time from the kill
+by phase (interpreter and imports or the fork, model, kv, warm-up), and the benchmark's clock the time from the kill
 to the replacement's report of ready. Memory of every process of the deployment, idle, before the first
 kill: RSS (which counts every shared page a process maps, the KV arena and the weight store in each) and
 PSS (shared pages divided among their mappers: the sum is what the deployment holds).
@@ -41,7 +42,11 @@ from steadfast.config import default_model_path  # noqa: E402
 from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
-MODES = {"load": "false", "mapped": "true"}
+MODES = {
+    "load": "shared_weights: false, fork_workers: false",
+    "mapped": "shared_weights: true, fork_workers: false",
+    "forked": "shared_weights: true, fork_workers: true",
+}
 READY = re.compile(r"worker(\d+)\[\d+\] INFO steadfast\.worker: ready in ([\d.]+)s .*\((.*)\)")
 
 
@@ -59,10 +64,13 @@ def processes(sid: int) -> dict[str, dict[str, float]]:
         args = [a.decode() for a in argv if a]
         module = next((a for a in args if a.startswith("steadfast.")), "?")
         name = module.removeprefix("steadfast.")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
         if "--worker-id" in args:
             name = f"worker{args[args.index('--worker-id') + 1]}"
+        elif comm.startswith("sf-worker"):  # forked by the zygote: its command line is the zygote's
+            name = comm.removeprefix("sf-")
         fields = {line.split(":")[0]: int(line.split()[1]) for line in rollup.splitlines()[1:] if line.endswith("kB")}
-        out[name] = {"rss_mib": fields.get("Rss", 0) / 1024, "pss_mib": fields.get("Pss", 0) / 1024}
+        out[name] = {k.lower() + "_mib": fields.get(k, 0) / 1024 for k in ("Rss", "Pss", "Pss_Shmem")}
     return out
 
 
@@ -75,7 +83,7 @@ def standby_ready(url: str) -> dict | None:
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
-    cfg = f"model: {{shared_weights: {MODES[mode]}}}\nserver: {{workers: 1, standby_workers: 1}}\n"
+    cfg = f"model: {{{MODES[mode]}}}\nserver: {{workers: 1, standby_workers: 1}}\n"
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-start-{mode}-"))
     server = ServerProcess(tmp, cfg)
     result: dict = {"config": cfg, "replacements": []}
@@ -191,10 +199,11 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=6, help="chaos part: closed-loop clients")
     p.add_argument("--chaos-tokens", type=int, default=64, help="chaos part: tokens per request")
     p.add_argument("--settle", type=float, default=8.0, help="idle seconds before measuring memory and killing")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "worker_start.json"))
     args = p.parse_args()
     report = {**run_info(args), "modes": {}}
-    for mode in MODES:
+    for mode in args.modes:
         r = run_mode(args, mode)
         r["summary"] = summary(r)
         report["modes"][mode] = r
@@ -221,13 +230,17 @@ def main() -> None:
             f"{c['failed_requests']} of {c['requests']} |"
         )
     print()
-    print("| mode | process | RSS | PSS |")
-    print("|---|---|---|---|")
+    print("| mode | process | RSS | PSS | of it shared memory (KV arena, weight store) |")
+    print("|---|---|---|---|---|")
     for mode, r in report["modes"].items():
         for name, m in sorted(r["memory"].items()):
-            print(f"| {mode} | {name} | {m['rss_mib']:.0f} MiB | {m['pss_mib']:.0f} MiB |")
-        total = {k: sum(m[k] for m in r["memory"].values()) for k in ("rss_mib", "pss_mib")}
-        print(f"| {mode} | **all** | {total['rss_mib']:.0f} MiB | **{total['pss_mib']:.0f} MiB** |")
+            mib = " | ".join(f"{m[k]:.0f} MiB" for k in ("rss_mib", "pss_mib", "pss_shmem_mib"))
+            print(f"| {mode} | {name} | {mib} |")
+        total = {k: sum(m[k] for m in r["memory"].values()) for k in ("rss_mib", "pss_mib", "pss_shmem_mib")}
+        print(
+            f"| {mode} | **all** | {total['rss_mib']:.0f} MiB | **{total['pss_mib']:.0f} MiB** | "
+            f"{total['pss_shmem_mib']:.0f} MiB |"
+        )
 
 
 if __name__ == "__main__":
