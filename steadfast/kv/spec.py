@@ -59,7 +59,7 @@ class ArenaSpec:
 def arena_spec(cfg: Config, model: ModelShape) -> ArenaSpec:
     """The arena `cfg.cache` asks for: `num_blocks` when set, else as many as `kv_memory_mb` holds."""
     c = cfg.cache
-    shape = (model.num_layers, c.block_size, model.num_kv_heads, model.head_dim, cfg.model.dtype)
+    shape = (model.num_layers, c.block_size, model.num_kv_heads, model.head_dim, cfg.model.resolved_dtype)
     if c.num_blocks:
         layers, bs, heads, dim, dtype = shape
         return ArenaSpec(c.num_blocks, layers, bs, heads, dim, dtype)

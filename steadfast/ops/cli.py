@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="path of a llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
-        p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights and KV dtype")
+        p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], help="weights and KV dtype")
         p.add_argument("--config", help="YAML config file")
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from steadfast.config import Config, ConfigError, load_config
@@ -114,3 +116,16 @@ def test_durations(text, seconds):
     from steadfast.config import parse_duration
 
     assert parse_duration(text, "x") == seconds
+
+
+def test_dtype_auto_is_bf16_only_where_the_cpu_computes_it_fast(monkeypatch):
+    from steadfast import config as config_module
+
+    flags = Path("/proc/cpuinfo").read_text()
+    assert config_module.cpu_computes_bf16() == (" avx512bw" in flags or " avx512_bf16" in flags)
+    cpu = Config().replace(model={"device": "cpu"})
+    assert cpu.model.dtype == "auto"
+    for fast, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(config_module, "cpu_computes_bf16", lambda fast=fast: fast)
+        assert cpu.model.resolved_dtype == want
+    assert cpu.replace(model={"dtype": "bfloat16"}).model.resolved_dtype == "bfloat16"  # as asked, always
