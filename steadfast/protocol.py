@@ -190,6 +190,11 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     node: str = ""  # which node's KV pool the worker uses: workers of one node hand KV over in place
     kv_addresses: list[str] = []  # where this worker receives KV from other nodes (primary, alternates)
     kv_blocks_incoming: int = 0  # held by its receiver for moves not yet claimed (reserved or committed)
+    # Speculative decoding since the worker started: draft tokens verified, accepted; output tokens per
+    # decoding request-step (1.0 without speculation).
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    tokens_per_step: float = 0.0
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):

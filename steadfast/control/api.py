@@ -137,6 +137,11 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 m.waiting.labels(label).set(w.status.num_waiting)
                 m.kv_used.labels(label).set(w.status.kv_blocks_used)
                 m.kv_free.labels(label).set(w.status.kv_blocks_total - w.status.kv_blocks_used)
+                s = w.status
+                m.spec_drafted.labels(label).set(s.spec_drafted)
+                m.spec_accepted.labels(label).set(s.spec_accepted)
+                m.spec_acceptance.labels(label).set(s.spec_accepted / s.spec_drafted if s.spec_drafted else 0.0)
+                m.tokens_per_step.labels(label).set(s.tokens_per_step)
         m.migration_mismatches.set(ctx.client.migrations.mismatches)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -162,6 +167,9 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "prefix_hit_rate": s.prefix_hit_rate if s else 0.0,
                     "step_ms": s.step_ms if s else 0.0,
                     "step_tokens": s.step_tokens if s else 0.0,
+                    "spec_drafted": s.spec_drafted if s else 0,
+                    "spec_accepted": s.spec_accepted if s else 0,
+                    "tokens_per_step": s.tokens_per_step if s else 0.0,
                 }
             )
         return rows

@@ -49,6 +49,21 @@ class Metrics:
         )
         self.kv_used = Gauge("steadfast_kv_blocks_used", "KV blocks in use", ["worker"], registry=r)
         self.kv_free = Gauge("steadfast_kv_blocks_free", "KV blocks free", ["worker"], registry=r)
+        self.spec_drafted = Gauge(
+            "steadfast_spec_draft_tokens", "Draft tokens verified since the worker started", ["worker"], registry=r
+        )
+        self.spec_accepted = Gauge(
+            "steadfast_spec_accepted_tokens", "Draft tokens accepted since the worker started", ["worker"], registry=r
+        )
+        self.spec_acceptance = Gauge(
+            "steadfast_spec_acceptance_rate", "Accepted / verified draft tokens of the worker", ["worker"], registry=r
+        )
+        self.tokens_per_step = Gauge(
+            "steadfast_tokens_per_step",
+            "Output tokens per decoding request-step (above 1 with speculative decoding)",
+            ["worker"],
+            registry=r,
+        )
         self.worker_up = Gauge("steadfast_worker_up", "1 if the worker is ready", ["worker"], registry=r)
         self.kv_transfers = Counter(
             "steadfast_kv_transfers", "KV handoffs between workers", ["path", "outcome"], registry=r

@@ -340,6 +340,26 @@ class BlockManager:
             parent = h
         self._hashed[request_id] = (full, parent)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's table to the blocks `num_tokens` slots need (rejected draft tokens'
+        blocks go back). The blocks dropped are its own, never named: only full blocks of computed
+        tokens are. They stay in this manager's free queue, first to be handed out again."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        done, _ = self._hashed[request_id]
+        if done > keep:
+            raise ValueError(f"request {request_id}: {done} named blocks cannot be trimmed to {keep}")
+        for block_id in reversed(table[keep:]):
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.hash is not None:
+                raise AssertionError(f"block {block_id} trimmed while shared or named")
+            block.ref_count = 0
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        del table[keep:]
+
     def free(self, request_id: str) -> None:
         """Drop the request's references, tail first, so its least shareable blocks are evicted first."""
         table = self._tables.pop(request_id, None)

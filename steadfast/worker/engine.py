@@ -34,6 +34,7 @@ from steadfast.worker.request import Request, Status
 from steadfast.worker.runner import ModelRunner
 from steadfast.worker.sampler import sample
 from steadfast.worker.scheduler import ScheduledStep, Scheduler
+from steadfast.worker.speculation import Speculator, accepted_prefix
 from steadfast.worker.takeover import recover
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
     limit = max_model_len(cfg, model_cfg)
-    dtype = TORCH_DTYPES[cfg.model.dtype]
+    dtype = TORCH_DTYPES[cfg.model.resolved_dtype]
 
     def build() -> dict[str, torch.Tensor]:
         return compute_layout(load_weights(reader, model_cfg, dtype), model_cfg)
@@ -61,7 +62,7 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
     layout = None
     if weights_dir and cfg.model.shared_weights:
         try:
-            layout = open_layout(weights_dir, cfg.model.resolved_path, cfg.model.dtype, build)
+            layout = open_layout(weights_dir, cfg.model.resolved_path, cfg.model.resolved_dtype, build)
         except (OSError, ArenaSpaceError) as exc:  # no room in the folder, say: this worker still serves
             log.warning("weight store not usable, loading a copy of the model of this worker's own: %s", exc)
     if layout is None:
@@ -117,7 +118,8 @@ class Engine:
             grant_batch=cfg.cache.pool_grant_batch,
         )
         self.sync = sync
-        self.scheduler = Scheduler(cfg.scheduler, self.blocks)
+        self.spec = Speculator(cfg.speculative)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, self._drafts)
         self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
         self.kv = KVConnector(cfg, arena, self.blocks, self.scheduler, sync, sender, receiver)
         self.requests: dict[str, Request] = {}
@@ -246,12 +248,14 @@ class Engine:
         if self.sync is not None:
             self.sync.finished(request)
         self.kv.ended(request)  # ended before its KV was committed elsewhere: the move is given up
+        self.spec.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
 
     def _let_go(self, request: Request) -> None:
         """A request another worker continues: it ends here without a finish of its own."""
         request.status = Status.FINISHED
+        self.spec.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
 
@@ -276,15 +280,21 @@ class Engine:
             self.sync.before_execute(self.blocks)
         hook = self.kv.layer_hook(scheduled)
         try:
+            t1 = time.perf_counter()
             samplers, tokens = self._compute(scheduled, hook)
+            self._time_drafts(scheduled, time.perf_counter() - t1)
         except Exception as failure:
             isolated = self._isolate(scheduled, hook, outputs, failure)
             if isolated is None:
                 return outputs
             scheduled, (samplers, tokens) = isolated
-        prompt_done = self._advance(scheduled)
-        for request, token in zip(samplers, tokens, strict=True):
-            outputs.append(self._append(request, token))
+        new = self._accept(scheduled, samplers, tokens)
+        prompt_done = self._advance(scheduled, new)
+        for request, produced in new:
+            for token in produced:
+                outputs.append(self._append(request, token))
+                if request.status is Status.FINISHED:
+                    break  # a stop inside accepted drafts: what follows it is not output
         self.steps += 1
         if self.sync is not None:
             self.sync.after_step(self.requests.values(), self.blocks, prompt_done)
@@ -298,7 +308,46 @@ class Engine:
     def _compute(self, scheduled: ScheduledStep, hook: Callable[[int], None] | None) -> tuple[list[Request], list[int]]:
         """The forward pass and the sampling of one step: nothing but the step's KV slots changes."""
         logits, samplers = self.runner.execute(scheduled, hook)
-        return samplers, sample(logits, [r.params for r in samplers], [len(r.output_ids) for r in samplers])
+        # A verifying request's rows draw tokens len(output), len(output) + 1, ...: each with its own seed.
+        indices, seen = [], {}
+        for r in samplers:
+            offset = seen[r.request_id] = seen.get(r.request_id, -1) + 1
+            indices.append(len(r.output_ids) + offset)
+        return samplers, sample(logits, [r.params for r in samplers], indices)
+
+    def _time_drafts(self, scheduled: ScheduledStep, seconds: float) -> None:
+        """A step of one decoding request alone tells what a verified draft costs on this worker."""
+        if not scheduled.prefills and len(scheduled.decodes) + len(scheduled.verifies) == 1:
+            self.spec.timed(len(scheduled.verifies[0][1]) if scheduled.verifies else 0, seconds)
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request to verify this step (the scheduler's drafter)."""
+        if not request.output_ids or request.decode_worker >= 0 or request.kv_paths:
+            return []  # its first token is a prompt's (a prefill worker hands it on right after)
+        room = min(
+            budget - 1,
+            request.params.max_tokens - len(request.output_ids) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return self.spec.drafts(request.request_id, request.all_ids, len(request.output_ids), room)
+
+    def _accept(
+        self, scheduled: ScheduledStep, samplers: list[Request], tokens: list[int]
+    ) -> list[tuple[Request, list[int]]]:
+        """Each sampling request and its new tokens, in row order: one, or for a verifying request the
+        drafts the model confirmed and the token it sampled after them."""
+        rows: dict[str, tuple[Request, list[int]]] = {}
+        for request, token in zip(samplers, tokens, strict=True):
+            rows.setdefault(request.request_id, (request, []))[1].append(token)
+        for request, drafts in scheduled.verifies:
+            if request.request_id in rows:
+                sampled = rows[request.request_id][1]
+                n = accepted_prefix(drafts, sampled)
+                del sampled[n + 1 :]
+                self.spec.verified(request.request_id, len(drafts), n)
+        decoding = [r for r in rows.values() if r[0].output_ids]
+        self.spec.produced(len(decoding), sum(len(t) for _, t in decoding))
+        return list(rows.values())
 
     def _isolate(
         self,
@@ -316,7 +365,10 @@ class Engine:
             culprits.update(self._probe(ScheduledStep(decodes=[r]), r))
         for r, n in scheduled.prefills:
             culprits.update(self._probe(ScheduledStep(prefills=[(r, n)]), r))
-        if not culprits or (len(culprits) > 1 and len(culprits) == len(scheduled.decodes) + len(scheduled.prefills)):
+        for r, d in scheduled.verifies:
+            culprits.update(self._probe(ScheduledStep(verifies=[(r, d)]), r))
+        every = len(scheduled.decodes) + len(scheduled.prefills) + len(scheduled.verifies)
+        if not culprits or (len(culprits) > 1 and len(culprits) == every):
             raise failure  # none fails alone, or every one does: the engine is broken, not a request
         for rid, why in culprits.items():
             request = self.scheduler.remove(rid)
@@ -328,6 +380,7 @@ class Engine:
             [r for r in scheduled.decodes if r.request_id not in culprits],
             [(r, n) for r, n in scheduled.prefills if r.request_id not in culprits],
             scheduled.preempted,
+            [(r, d) for r, d in scheduled.verifies if r.request_id not in culprits],
         )
         if rest.empty:
             return None
@@ -340,11 +393,21 @@ class Engine:
             return {request.request_id: f"{type(exc).__name__}: {exc}"}
         return {}
 
-    def _advance(self, scheduled: ScheduledStep) -> bool:
-        """Count the computed KV; True if some request's prefill is now complete."""
+    def _advance(self, scheduled: ScheduledStep, new: list[tuple[Request, list[int]]]) -> bool:
+        """Count the computed KV; True if some request's prefill is now complete. A verifying request's
+        KV counts up to its last confirmed draft; the slots of the rejected ones are rolled back (their
+        blocks freed; those kept are overwritten before they are read, and sealed only once full of
+        confirmed tokens)."""
         for request in scheduled.decodes:
             request.num_computed += 1
             self.blocks.commit(request.request_id, request.all_ids, request.num_computed)
+        produced = {r.request_id: tokens for r, tokens in new}
+        for request, _ in scheduled.verifies:
+            tokens = produced[request.request_id]
+            request.num_computed += len(tokens)  # its last token and the confirmed drafts
+            self.blocks.trim(request.request_id, request.num_computed)
+            # Named with the tokens they hold: the confirmed drafts are appended to the request after this.
+            self.blocks.commit(request.request_id, request.all_ids + tokens, request.num_computed)
         prompt_done = False
         for request, n in scheduled.prefills:
             request.num_computed += n

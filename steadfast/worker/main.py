@@ -93,6 +93,9 @@ class WorkerLoop:
             node=self.node,
             kv_addresses=e.kv.receiver.addresses if e.kv.receiver is not None else [],
             kv_blocks_incoming=e.kv.receiver.held_blocks if e.kv.receiver is not None else 0,
+            spec_drafted=e.spec.drafted,
+            spec_accepted=e.spec.accepted,
+            tokens_per_step=e.spec.tokens_per_step,
         )
 
     def _report(self, force: bool = False) -> None:

@@ -72,8 +72,9 @@ class ModelRunner:
     def execute(
         self, step: ScheduledStep, on_layer: Callable[[int], None] | None = None
     ) -> tuple[torch.Tensor, list[Request]]:
-        """Run the step; return logits `[rows, vocab]` and the request each row samples for.
-        `on_layer(i)` is called once layer i's K/V of the whole batch is in the arena."""
+        """Run the step; return logits `[rows, vocab]` and the request each row samples for (a verifying
+        request has a row per draft and one more, consecutive). `on_layer(i)` is called once layer i's
+        K/V of the whole batch is in the arena."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -103,6 +104,20 @@ class ModelRunner:
                 first += count
 
         chunks = []
+        for request, drafts in step.verifies:
+            # Its last token and the drafts, attending to its KV like a prefill chunk; every row is
+            # sampled (row i checks draft i; the last one yields the token after all drafts).
+            start, pos0 = len(tokens), request.num_computed
+            table = self.blocks.block_table(request.request_id)
+            for i, token in enumerate([request.all_ids[pos0], *drafts]):
+                pos = pos0 + i
+                tokens.append(token)
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                sample_rows.append(len(tokens) - 1)
+                samplers.append(request)
+            context = pos0 + 1 + len(drafts)
+            chunks.append(PrefillChunk(start, context - pos0, context, self._rows(table[: -(-context // bs)])))
         for request, n in step.prefills:
             start, pos0 = len(tokens), request.num_computed
             table = self.blocks.block_table(request.request_id)

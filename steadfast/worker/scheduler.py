@@ -5,11 +5,16 @@ token, an unfinished prefill takes a chunk. Waiting requests are then admitted b
 into what budget and KV room are left, reusing cached prefix blocks. When a running request needs a
 block and none is free, the lowest-priority, latest-arrived running request not yet scheduled this
 step is preempted: its blocks are freed and it waits to be recomputed (its output tokens are kept).
+
+With speculative decoding a decoding request may bring draft tokens: it is then scheduled to verify
+them (one position each, beyond its own token) when budget and KV room allow, else as a plain decode —
+drafts never preempt anybody.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from steadfast.config import SchedulerConfig
@@ -22,20 +27,26 @@ class ScheduledStep:
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    verifies: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, draft tokens)
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + sum(n for _, n in self.prefills) + sum(1 + len(d) for _, d in self.verifies)
+
+
+# A decoding request and the step budget left → the draft tokens it would verify (none: a plain decode).
+Drafter = Callable[[Request, int], list[int]]
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, drafter: Drafter | None = None) -> None:
         self.cfg = cfg
         self.blocks = blocks
+        self.drafter = drafter
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
         self._waiting_ids: dict[str, Request] = {}
@@ -82,6 +93,16 @@ class Scheduler:
         request.num_preemptions += 1
         self.add(request)
 
+    def _verify(self, request: Request, budget: int, step: ScheduledStep) -> bool:
+        """Schedule a decoding request to verify its drafts, if it has some and they fit."""
+        if self.drafter is None:
+            return False
+        drafts = self.drafter(request, budget)
+        if not drafts or self.blocks.allocate(request.request_id, request.num_tokens + len(drafts)) is None:
+            return False
+        step.verifies.append((request, drafts))
+        return True
+
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.cfg.max_num_batched_tokens
@@ -90,6 +111,10 @@ class Scheduler:
             if request.status is not Status.RUNNING or budget <= 0:
                 continue
             n = min(request.num_pending, self.cfg.max_prefill_chunk, budget)
+            if n == 1 and self._verify(request, budget, step):
+                scheduled.add(request.request_id)
+                budget -= 1 + len(step.verifies[-1][1])
+                continue
             while self.blocks.allocate(request.request_id, request.num_computed + n) is None:
                 victims = [r for r in self.running if r.request_id not in scheduled]
                 victim = max(victims, key=lambda r: r.sort_key)
