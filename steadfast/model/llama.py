@@ -114,12 +114,27 @@ class PagedDecodes:
 
 
 @dataclass
+class VerifyGroup:
+    """Requests verifying draft tokens, a few query rows each, attended together: each request's KV
+    padded to the widest, its rows padded to the most (`width`), one gather and two matmuls per layer
+    instead of a prefill chunk's ops per request."""
+
+    count: int  # requests
+    width: int  # query rows per request after padding (the most drafts + 1)
+    queries: torch.Tensor  # [count * width] flat batch row of each padded query (a pad repeats the last)
+    real: torch.Tensor  # [rows] padded index of each real row, in flat-batch order
+    rows: torch.Tensor  # kv_rows of the block tables, padded to the widest, flattened
+    mask: torch.Tensor  # [1, count, 1, width, max_blocks * block_size] True = not attended
+
+
+@dataclass
 class AttentionBatch:
     """Where each new token's KV goes and what each token attends to."""
 
     slots: torch.Tensor  # [tokens] block * block_size + offset of each new token's KV
     decodes: list[DecodeGroup] | PagedDecodes  # the first tokens of the batch, group after group
     prefills: list[PrefillChunk]
+    verifies: VerifyGroup | None = None  # rows after the decodes' (before the prefills')
 
 
 def compute_layout(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -180,6 +195,22 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device, dtype)  # [positions, head_dim]
         self.sin = emb.sin().to(self.device, dtype)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)
+
+    def _verify_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, g: VerifyGroup) -> torch.Tensor:
+        """The verifying requests' rows, `[rows, heads * dim]` in flat-batch order."""
+        cfg = self.cfg
+        _, kv_heads, _, _, dim = kv_cache.shape
+        group, n, w = cfg.group_size, g.count, g.width
+        kv = self._gather(kv_cache, g.rows).view(2, kv_heads, n, -1, dim)
+        k, v = kv[0], kv[1]  # [kv_heads, reqs, ctx, dim]
+        qv = (q[g.queries] * dim**-0.5).view(n, w, kv_heads, group, dim)
+        qv = qv.permute(2, 0, 3, 1, 4).reshape(kv_heads, n, group * w, dim)
+        scores = torch.matmul(qv, k.transpose(-1, -2)).view(kv_heads, n, group, w, -1)
+        scores.masked_fill_(g.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(kv_heads, n, group * w, -1)
+        out = torch.matmul(probs, v).view(kv_heads, n, group, w, dim)  # [kv_heads, reqs, group, rows, dim]
+        out = out.permute(1, 3, 0, 2, 4).reshape(n * w, cfg.num_heads * dim)
+        return out[g.real]
 
     def _gather(self, kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The K/V rows `rows` (see `kv_rows`) of one layer: `[len(rows), block_size * dim]`, that is
@@ -283,6 +314,8 @@ class LlamaModel:
             out = torch.matmul(probs, v)  # [kv_heads, reqs, group, dim]
             parts.append(out.transpose(0, 1).reshape(nd, cfg.num_heads * dim))
             start += nd
+        if batch.verifies is not None:
+            parts.append(self._verify_attention(q, kv_cache, batch.verifies))
         for chunk in batch.prefills:
             span = slice(chunk.start, chunk.start + chunk.length)
             qc = q[span].transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]

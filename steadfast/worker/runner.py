@@ -8,7 +8,15 @@ import torch
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.model.llama import AttentionBatch, DecodeGroup, LlamaModel, PagedDecodes, PrefillChunk, kv_rows
+from steadfast.model.llama import (
+    AttentionBatch,
+    DecodeGroup,
+    LlamaModel,
+    PagedDecodes,
+    PrefillChunk,
+    VerifyGroup,
+    kv_rows,
+)
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import ScheduledStep
 
@@ -103,21 +111,9 @@ class ModelRunner:
                 groups.append(self._decode_group(tables[first : first + count], positions[first : first + count]))
                 first += count
 
+        verifies = self._verifies(step.verifies, tokens, positions, slots, sample_rows, samplers)
+
         chunks = []
-        for request, drafts in step.verifies:
-            # Its last token and the drafts, attending to its KV like a prefill chunk; every row is
-            # sampled (row i checks draft i; the last one yields the token after all drafts).
-            start, pos0 = len(tokens), request.num_computed
-            table = self.blocks.block_table(request.request_id)
-            for i, token in enumerate([request.all_ids[pos0], *drafts]):
-                pos = pos0 + i
-                tokens.append(token)
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-                sample_rows.append(len(tokens) - 1)
-                samplers.append(request)
-            context = pos0 + 1 + len(drafts)
-            chunks.append(PrefillChunk(start, context - pos0, context, self._rows(table[: -(-context // bs)])))
         for request, n in step.prefills:
             start, pos0 = len(tokens), request.num_computed
             table = self.blocks.block_table(request.request_id)
@@ -132,7 +128,7 @@ class ModelRunner:
                 sample_rows.append(len(tokens) - 1)
                 samplers.append(request)
 
-        batch = AttentionBatch(slots=self._tensor(slots), decodes=groups, prefills=chunks)
+        batch = AttentionBatch(slots=self._tensor(slots), decodes=groups, prefills=chunks, verifies=verifies)
         logits = self.model.forward(
             self._tensor(tokens),
             self._tensor(positions),
@@ -142,6 +138,51 @@ class ModelRunner:
             on_layer,
         )
         return logits.cpu(), samplers  # sampling runs on the CPU: per-request seeded generators live there
+
+    def _verifies(
+        self,
+        verifies: list[tuple[Request, list[int]]],
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        sample_rows: list[int],
+        samplers: list[Request],
+    ) -> VerifyGroup | None:
+        """Each verifying request's last token and drafts, appended to the flat batch, every row
+        sampled (row i checks draft i; the last yields the token after all drafts); and the group that
+        attends them all at once."""
+        if not verifies:
+            return None
+        bs = self.block_size
+        width = 1 + max(len(d) for _, d in verifies)
+        tables, queries, real, limits = [], [], [], []
+        for i, (request, drafts) in enumerate(verifies):
+            start, pos0 = len(tokens), request.num_computed
+            table = self.blocks.block_table(request.request_id)
+            for j, token in enumerate([request.all_ids[pos0], *drafts]):
+                pos = pos0 + j
+                tokens.append(token)
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                sample_rows.append(len(tokens) - 1)
+                samplers.append(request)
+                real.append(i * width + j)
+            last = len(drafts)
+            queries += [start + min(j, last) for j in range(width)]
+            limits += [pos0 + min(j, last) for j in range(width)]  # the last position row j attends
+            tables.append(table[: (pos0 + last) // bs + 1])
+        most = max(len(t) for t in tables)
+        rows = self._rows([b for t in tables for b in (*t, *([0] * (most - len(t))))])
+        cols = torch.arange(most * bs, device=self.device)
+        mask = cols.view(1, -1) > self._tensor(limits).view(-1, 1)  # [reqs * width, ctx]
+        return VerifyGroup(
+            len(verifies),
+            width,
+            self._tensor(queries),
+            self._tensor(real),
+            rows,
+            mask.view(1, len(verifies), 1, width, -1),
+        )
 
     def _decode_group(self, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
         width = len(tables[0])  # the longest: rows are sorted
