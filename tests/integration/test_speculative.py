@@ -40,8 +40,8 @@ def run(cfg, loaded, make_engine, params_of):
 @pytest.mark.parametrize(
     "params_of",
     [
-        pytest.param(lambda i: SamplingParams(48, 0.0, ignore_eos=True), id="greedy"),
-        pytest.param(lambda i: SamplingParams(48, 0.8, top_p=0.95, seed=100 + i, ignore_eos=True), id="seeded"),
+        pytest.param(lambda i: SamplingParams(36, 0.0, ignore_eos=True), id="greedy"),
+        pytest.param(lambda i: SamplingParams(36, 0.8, top_p=0.95, seed=100 + i, ignore_eos=True), id="seeded"),
     ],
 )
 def test_outputs_are_the_same_with_speculation_on_and_off(fp32_config, fp32_model, make_engine, params_of):
@@ -50,5 +50,5 @@ def test_outputs_are_the_same_with_speculation_on_and_off(fp32_config, fp32_mode
     on, spec = run(on_cfg, fp32_model, make_engine, params_of)
     assert on == off
     # It really speculated: drafts verified and accepted, fewer request-steps for the same tokens.
-    assert spec.spec.verify_steps >= 20 and spec.spec.accepted >= 20, vars(spec.spec)
+    assert spec.spec.verify_steps >= 16 and spec.spec.accepted >= 16, vars(spec.spec)
     assert spec.spec.tokens_per_step > 1.1 and spec.spec.decode_steps < plain.spec.decode_steps
