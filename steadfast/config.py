@@ -432,14 +432,12 @@ class SpeculativeConfig:
 
     # "ngram": draft from the request's prompt and output; "off": one token per step.
     method: str = "off"
-    # Draft tokens proposed per step (each verified position costs one token of the step's budget).
+    # The most draft tokens a request verifies in a step (each costs one token of the step's budget);
+    # how many it does is decided per step from its acceptance rate and the measured cost of a position.
     num_draft_tokens: int = 4
     # The longest and shortest suffix matched against the earlier text, longest first.
     ngram_max: int = 4
     ngram_min: int = 2
-    # A request whose drafts are accepted less than this often (over its recent drafts) stops drafting
-    # for a while: a rejected draft costs a verification position and buys nothing.
-    min_acceptance: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "off"):
@@ -448,8 +446,6 @@ class SpeculativeConfig:
             raise ConfigError("speculative.num_draft_tokens must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("speculative.ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ConfigError("speculative.min_acceptance must be within [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    speculative: bool = True  # may verify draft tokens, where its worker speculates (same output either way)
 
     @property
     def greedy(self) -> bool:

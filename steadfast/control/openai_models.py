@@ -2,7 +2,8 @@
 
 Fields OpenAI defines that Steadfast does not implement are accepted only at their neutral value; any
 other value is a 400 naming the field, never silently ignored. Extensions: `top_k`, `priority`,
-`ignore_eos`, `stop_token_ids`, `return_token_ids` (each choice also carries its token ids).
+`ignore_eos`, `stop_token_ids`, `return_token_ids` (each choice also carries its token ids), `speculative`
+(false: this request never drafts, where the worker speculates; its output is the same either way).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class _Sampling(BaseModel):
     seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     priority: Literal["high", "normal", "low"] = "normal"
     ignore_eos: StrictBool = False
+    speculative: StrictBool = True
     return_token_ids: StrictBool = False
     presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0

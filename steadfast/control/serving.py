@@ -132,6 +132,7 @@ def prepare(
         stop=body.stop_list,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
     )
     rid = f"{prefix}-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

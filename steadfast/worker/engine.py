@@ -322,6 +322,8 @@ class Engine:
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request to verify this step (the scheduler's drafter)."""
+        if not request.params.speculative:
+            return []  # its client asked for plain decoding
         if not request.output_ids or request.decode_worker >= 0 or request.kv_paths:
             return []  # its first token is a prompt's (a prefill worker hands it on right after)
         room = min(

@@ -152,3 +152,12 @@ def test_rejected_drafts_across_a_block_boundary_leave_blocks_seals_and_ledger_a
         sync.close(pool, engine.blocks.held_blocks)
     finally:
         node.stop()
+
+
+def test_a_request_that_opts_out_never_drafts(small_config, small_model, make_engine):
+    cfg = small_config.replace(speculative={"method": "ngram"})
+    ids = small_model.tokenizer.encode("one two three four one two three four one two three four one two")
+    for allowed in (False, True):
+        engine = make_engine(cfg, small_model)
+        engine.generate([AddRequest("r", ids, SamplingParams(24, 0.0, ignore_eos=True, speculative=allowed))])
+        assert (engine.spec.verify_steps > 0) is allowed
