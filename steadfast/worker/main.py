@@ -48,7 +48,7 @@ from steadfast.protocol import (
 )
 from steadfast.worker.engine import Engine, LoadedModel, load_model
 from steadfast.worker.ledger_sync import LedgerSync
-from steadfast.worker.startup import StartupPhases
+from steadfast.worker.startup import StartupPhases, trim_heap
 
 log = logging.getLogger("steadfast.worker")
 
@@ -254,12 +254,13 @@ def _other_nodes(
     return sender, receiver
 
 
-def warm_up(engine: Engine) -> None:
+def warm_up(engine: Engine, short: bool = False) -> None:
     """One short request through the whole engine before reporting ready: the first forward passes
     pay for thread pools, kernel selection and caches, and a standby promoted under a dead worker's
-    load must not pay that then."""
-    ids = engine.tokenizer.encode("Steadfast warms up its kernels before it takes traffic. " * 8)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    load must not pay that then. `short`: a worker forked from a zygote that warmed up already (its
+    kernels chosen, its caches made) only starts its own thread pool."""
+    ids = engine.tokenizer.encode("Steadfast warms up its kernels before it takes traffic. " * (1 if short else 8))
+    params = SamplingParams(max_tokens=2 if short else 4, temperature=0.0, ignore_eos=True)
     sync, engine.sync = engine.sync, None  # not a client's request: no checkpoint of it in the ledger
     try:
         engine.generate([AddRequest("warm-up", ids, params)])
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     outbox.send(loop.status(WorkerState.LOADING))
+    forked = loaded is not None
     phases = StartupPhases("interpreter and imports" if loaded is None else "fork")
     if loaded is None:
         loaded = load_model(cfg, args.weights_dir)
@@ -324,7 +326,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
         engine = Engine(cfg, loaded, KVArena.attach(args.arena))
     phases.mark("kv")
     stall(f"worker{args.worker_id}_start")  # a fault test's slow start (unarmed: one lookup)
-    warm_up(engine)
+    warm_up(engine, short=forked)
+    trim_heap()
     phases.mark("warm-up")
     log.info(
         "ready in %.1fs on %s: %d KV blocks of %d tokens (%s)",

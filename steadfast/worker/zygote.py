@@ -24,16 +24,17 @@ import os
 import socket
 import struct
 import sys
+import threading
 import time
 
 import torch
 
-from steadfast.config import config_from_dict
+from steadfast.config import Config, config_from_dict
 from steadfast.ipc import die_with_parent, setup_logging
 from steadfast.protocol import WorkerForked, ZygoteReady, decode_to_zygote, encode
 from steadfast.worker import main as worker_main
-from steadfast.worker.engine import LoadedModel, load_model
-from steadfast.worker.startup import since_process_start
+from steadfast.worker.engine import Engine, LoadedModel, load_model, private_arena
+from steadfast.worker.startup import since_process_start, trim_heap
 
 log = logging.getLogger("steadfast.zygote")
 
@@ -124,6 +125,21 @@ def serve(control: socket.socket, loaded: LoadedModel | None, cfg_json: str, wei
         control.send(encode(reply))
 
 
+def warm_up(cfg: Config, loaded: LoadedModel, folder: str) -> None:
+    """A warm-up on an arena of its own (a few blocks, removed after): the kernels chosen, the caches
+    made once here and inherited by every fork. On one thread (no parallel region before a fork); the
+    arena's background thread is waited for (no thread may be mid-call when the process forks)."""
+    small = cfg.replace(cache={"num_blocks": 64, "kv_memory_mb": 0})
+    arena = private_arena(small, loaded.model_cfg, os.path.join(folder, f"zygote-{os.getpid()}.kv"))
+    try:
+        worker_main.warm_up(Engine(small, loaded, arena))
+    finally:
+        arena.unlink()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread():
+            thread.join(timeout=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Steadfast worker zygote")
     parser.add_argument("--config-json", required=True)
@@ -138,7 +154,10 @@ def main() -> None:
     # On a GPU the model's device copy cannot be inherited (CUDA does not survive a fork): there the
     # zygote saves each worker its imports only.
     loaded = load_model(cfg, args.weights_dir) if cfg.model.resolved_device == "cpu" else None
+    if loaded is not None:
+        warm_up(cfg, loaded, args.weights_dir)
     gc.collect()
+    trim_heap()
     gc.freeze()  # what is built now is never collected: the collector would dirty its shared pages
     seconds = since_process_start()
     log.info("ready in %.1fs: forks workers %s", seconds, "with the model built" if loaded else "after imports")
