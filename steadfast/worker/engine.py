@@ -34,7 +34,7 @@ from steadfast.worker.request import Request, Status
 from steadfast.worker.runner import ModelRunner
 from steadfast.worker.sampler import sample
 from steadfast.worker.scheduler import ScheduledStep, Scheduler
-from steadfast.worker.speculation import Speculator, accepted_prefix
+from steadfast.worker.speculation import Speculator
 from steadfast.worker.takeover import recover
 
 log = logging.getLogger(__name__)
@@ -282,13 +282,13 @@ class Engine:
         try:
             t1 = time.perf_counter()
             samplers, tokens = self._compute(scheduled, hook)
-            self._time_drafts(scheduled, time.perf_counter() - t1)
+            self.spec.time_step(scheduled, time.perf_counter() - t1)
         except Exception as failure:
             isolated = self._isolate(scheduled, hook, outputs, failure)
             if isolated is None:
                 return outputs
             scheduled, (samplers, tokens) = isolated
-        new = self._accept(scheduled, samplers, tokens)
+        new = self.spec.accept(scheduled.verifies, samplers, tokens)
         prompt_done = self._advance(scheduled, new)
         for request, produced in new:
             for token in produced:
@@ -315,41 +315,9 @@ class Engine:
             indices.append(len(r.output_ids) + offset)
         return samplers, sample(logits, [r.params for r in samplers], indices)
 
-    def _time_drafts(self, scheduled: ScheduledStep, seconds: float) -> None:
-        """A step of one decoding request alone tells what a verified draft costs on this worker."""
-        if not scheduled.prefills and len(scheduled.decodes) + len(scheduled.verifies) == 1:
-            self.spec.timed(len(scheduled.verifies[0][1]) if scheduled.verifies else 0, seconds)
-
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request to verify this step (the scheduler's drafter)."""
-        if not request.params.speculative:
-            return []  # its client asked for plain decoding
-        if not request.output_ids or request.decode_worker >= 0 or request.kv_paths:
-            return []  # its first token is a prompt's (a prefill worker hands it on right after)
-        room = min(
-            budget - 1,
-            request.params.max_tokens - len(request.output_ids) - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
-        return self.spec.drafts(request.request_id, request.all_ids, len(request.output_ids), room)
-
-    def _accept(
-        self, scheduled: ScheduledStep, samplers: list[Request], tokens: list[int]
-    ) -> list[tuple[Request, list[int]]]:
-        """Each sampling request and its new tokens, in row order: one, or for a verifying request the
-        drafts the model confirmed and the token it sampled after them."""
-        rows: dict[str, tuple[Request, list[int]]] = {}
-        for request, token in zip(samplers, tokens, strict=True):
-            rows.setdefault(request.request_id, (request, []))[1].append(token)
-        for request, drafts in scheduled.verifies:
-            if request.request_id in rows:
-                sampled = rows[request.request_id][1]
-                n = accepted_prefix(drafts, sampled)
-                del sampled[n + 1 :]
-                self.spec.verified(request.request_id, len(drafts), n)
-        decoding = [r for r in rows.values() if r[0].output_ids]
-        self.spec.produced(len(decoding), sum(len(t) for _, t in decoding))
-        return list(rows.values())
+        """The scheduler's drafter: at most what the budget, `max_tokens` and the context leave."""
+        return self.spec.drafts_for(request, budget, self.max_model_len)
 
     def _isolate(
         self,

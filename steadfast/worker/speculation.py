@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from steadfast.config import SpeculativeConfig
+from steadfast.worker.request import Request
+from steadfast.worker.scheduler import ScheduledStep
 
 PRIOR_ACCEPTANCE = 0.6  # a new request's chance that a draft is right, until its own drafts say
 SMOOTHING = 0.3  # weight of the latest verification in a request's acceptance rate
@@ -124,6 +126,41 @@ class Speculator:
             state.resume_at, state.probe = output_len + state.pause, True
             state.pause = min(2 * state.pause, MAX_PAUSE_TOKENS)
         return proposal[:k]
+
+    def drafts_for(self, request: Request, budget: int, max_model_len: int) -> list[int]:
+        """Draft tokens for a decoding request to verify this step; none for one whose client asked for
+        plain decoding, or whose first token is a prompt's (a prefill worker hands it on right after)."""
+        if not request.params.speculative or not request.output_ids or request.decode_worker >= 0 or request.kv_paths:
+            return []
+        room = min(
+            budget - 1,
+            request.params.max_tokens - len(request.output_ids) - 1,
+            max_model_len - request.num_tokens - 1,
+        )
+        return self.drafts(request.request_id, request.all_ids, len(request.output_ids), room)
+
+    def accept(
+        self, verifies: list[tuple[Request, list[int]]], samplers: list[Request], tokens: list[int]
+    ) -> list[tuple[Request, list[int]]]:
+        """Each sampling request of a step and its new tokens, in row order: one, or for a verifying
+        request the drafts the model confirmed and the token it sampled after them."""
+        rows: dict[str, tuple[Request, list[int]]] = {}
+        for request, token in zip(samplers, tokens, strict=True):
+            rows.setdefault(request.request_id, (request, []))[1].append(token)
+        for request, drafts in verifies:
+            if request.request_id in rows:
+                sampled = rows[request.request_id][1]
+                n = accepted_prefix(drafts, sampled)
+                del sampled[n + 1 :]
+                self.verified(request.request_id, len(drafts), n)
+        decoding = [r for r in rows.values() if r[0].output_ids]
+        self.produced(len(decoding), sum(len(t) for _, t in decoding))
+        return list(rows.values())
+
+    def time_step(self, step: ScheduledStep, seconds: float) -> None:
+        """A step of one decoding request alone tells what a verified draft costs on this worker."""
+        if not step.prefills and len(step.decodes) + len(step.verifies) == 1:
+            self.timed(len(step.verifies[0][1]) if step.verifies else 0, seconds)
 
     def verified(self, request_id: str, drafted: int, accepted: int) -> None:
         """Record one verification in the request's acceptance rate (a right draft is a success, the
