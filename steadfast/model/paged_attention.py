@@ -25,6 +25,7 @@ import torch
 
 from steadfast.env import kernel_cache_dir
 
+BLOCK_SIZE = 16  # tokens per KV block the kernel is built for (BLOCK in csrc/paged_attention.c)
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
@@ -149,7 +150,7 @@ def supports(dtype: torch.dtype, device: str, heads: int, kv_heads: int, dim: in
     return (
         device == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
-        and block_size == 16
+        and block_size == BLOCK_SIZE
         and dim % 16 == 0
         and dim <= 256
         and heads % kv_heads == 0

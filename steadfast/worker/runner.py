@@ -8,6 +8,7 @@ import torch
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
+from steadfast.model import paged_attention
 from steadfast.model.llama import (
     AttentionBatch,
     DecodeGroup,
@@ -76,6 +77,8 @@ class ModelRunner:
         self.block_size = blocks.block_size
         self.device = model.device
         self._strips = 2 * arena.spec.num_kv_heads  # K/V rows of one block in a layer
+        # The in-place kernel is built for one block size: an arena of another takes the torch path.
+        self.paged = model.paged is not None and arena.spec.block_size == paged_attention.BLOCK_SIZE
 
     def execute(
         self, step: ScheduledStep, on_layer: Callable[[int], None] | None = None
@@ -103,7 +106,7 @@ class ModelRunner:
             sample_rows.append(len(tokens) - 1)
             samplers.append(request)
         groups: list[DecodeGroup] | PagedDecodes = []
-        if self.model.paged is not None and tables:
+        if self.paged and tables:
             groups = self._paged(tables, positions)
         else:
             first = 0
