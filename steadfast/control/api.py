@@ -142,6 +142,12 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 m.spec_accepted.labels(label).set(s.spec_accepted)
                 m.spec_acceptance.labels(label).set(s.spec_accepted / s.spec_drafted if s.spec_drafted else 0.0)
                 m.tokens_per_step.labels(label).set(s.tokens_per_step)
+                m.kv_offloaded.labels(label).set(s.kv_blocks_offloaded)
+                m.offload_blocks.labels(label, "written").set(s.offload_written)
+                m.offload_blocks.labels(label, "fetched").set(s.offload_fetched)
+                m.preemptions.labels(label, "swap").set(s.swap_preemptions)
+                m.preemptions.labels(label, "recompute").set(s.recompute_preemptions)
+                m.recomputed_tokens.labels(label).set(s.recomputed_tokens)
         m.migration_mismatches.set(ctx.client.migrations.mismatches)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -170,6 +176,12 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "spec_drafted": s.spec_drafted if s else 0,
                     "spec_accepted": s.spec_accepted if s else 0,
                     "tokens_per_step": s.tokens_per_step if s else 0.0,
+                    "kv_blocks_offloaded": s.kv_blocks_offloaded if s else 0,
+                    "offload_written": s.offload_written if s else 0,
+                    "offload_fetched": s.offload_fetched if s else 0,
+                    "swap_preemptions": s.swap_preemptions if s else 0,
+                    "recompute_preemptions": s.recompute_preemptions if s else 0,
+                    "recomputed_tokens": s.recomputed_tokens if s else 0,
                 }
             )
         return rows

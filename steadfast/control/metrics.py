@@ -64,6 +64,27 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self.kv_offloaded = Gauge(
+            "steadfast_kv_blocks_offloaded", "KV blocks the worker holds in the offload tier", ["worker"], registry=r
+        )
+        self.offload_blocks = Gauge(
+            "steadfast_kv_offload_blocks",
+            "KV blocks moved to (written) or from (fetched) the offload tier since the worker started",
+            ["worker", "direction"],
+            registry=r,
+        )
+        self.preemptions = Gauge(
+            "steadfast_preemptions",
+            "Requests preempted for KV room since the worker started, by what kept their KV",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.recomputed_tokens = Gauge(
+            "steadfast_preemption_recomputed_tokens",
+            "Tokens of KV preempted requests computed again since the worker started",
+            ["worker"],
+            registry=r,
+        )
         self.worker_up = Gauge("steadfast_worker_up", "1 if the worker is ready", ["worker"], registry=r)
         self.kv_transfers = Counter(
             "steadfast_kv_transfers", "KV handoffs between workers", ["path", "outcome"], registry=r

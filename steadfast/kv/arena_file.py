@@ -8,10 +8,13 @@ This module never maps anything (that is `arena.py`) and never chooses the folde
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import stat
+from dataclasses import asdict
+from pathlib import Path
 
 from steadfast.kv.spec import ArenaSpec
 
@@ -127,3 +130,26 @@ def open_arena(path: str, flags: int = os.O_RDONLY) -> tuple[ArenaSpec, int]:
         os.close(fd)
         raise ValueError(f"KV arena {path} is {size} bytes, its spec says {spec.nbytes}")
     return spec, fd
+
+
+def tier_spec(arena: ArenaSpec, slots: int) -> ArenaSpec:
+    """The tier's spec: the arena's block shape, `slots` of them."""
+    return dataclasses.replace(arena, num_blocks=slots)
+
+
+def make_tier(path: str, spec: ArenaSpec) -> ArenaSpec:
+    """Make the tier's file (0600, space reserved), or re-attach the one a previous incarnation of the
+    pool made with this spec (its slots' bytes are what the ledger describes). Torch-free."""
+    if Path(path).exists():
+        found, fd = open_arena(path)
+        os.close(fd)
+        if found != spec:
+            raise ValueError(f"the offload tier at {path} is {found}, not {spec}")
+        return found
+    make_arena(path, spec.nbytes, json.dumps(asdict(spec)))
+    return spec
+
+
+def remove_tier(path: str) -> None:
+    for p in (path, spec_path(path)):
+        Path(p).unlink(missing_ok=True)

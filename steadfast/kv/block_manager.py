@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -79,6 +79,13 @@ class BlockManager:
         self.events: deque[BlockEvent] = deque(maxlen=65536)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Blocks held outside any table: copies to or from the offload tier in flight (block -> count).
+        self._pins: dict[int, int] = {}
+        # With an offload tier: cached blocks about to be reused (block, name), for the tier to copy
+        # before their bytes change (`evicted`, flushed by the engine before its forward pass), and the
+        # call that copies the ones given back to the pool before they go.
+        self.evicted: list[tuple[int, bytes]] = []
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -121,6 +128,8 @@ class BlockManager:
         stale = self._free_cached - self.cache_cap
         if stale > 0:  # cached ones follow the unhashed in the queue, least recently freed first
             old = list(itertools.islice((b for b in self._free if self.blocks[b].hash is not None), stale))
+            if self.on_evict is not None:  # the pool may hand them to another worker at once
+                self.on_evict([(b, h) for b in old if (h := self.blocks[b].hash) is not None])
             for block_id in old:
                 self._forget_hash(self.blocks[block_id])
             self._free_cached -= len(old)
@@ -138,9 +147,10 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks holding a prefix of `token_ids`; at least one token is always left to compute."""
-        if not self.enable_prefix_caching:
+    def match_prefix(self, token_ids: Sequence[int], own: bool = False) -> list[int]:
+        """Cached blocks holding a prefix of `token_ids`; at least one token is always left to compute.
+        `own`: the request had this KV itself (preempted, taken over): found even with prefix caching off."""
+        if not self.enable_prefix_caching and not own:
             return []
         hits: list[int] = []
         parent = ROOT_HASH
@@ -164,6 +174,13 @@ class BlockManager:
             parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             names.append(parent)
         return names
+
+    def chain_from(self, token_ids: Sequence[int], start: int, stop: int, parent: bytes | None) -> Iterator[bytes]:
+        """The chained names of full blocks `start` .. `stop - 1`, lazily; `parent`: block `start - 1`'s."""
+        parent = parent or ROOT_HASH
+        for i in range(start, stop):
+            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            yield parent
 
     def is_cached(self, name: bytes) -> bool:
         return name in self._cached
@@ -312,6 +329,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None:
                 self._free_cached -= 1
+                if self.on_evict is not None:
+                    self.evicted.append((block_id, block.hash))
             self._forget_hash(block)
             block.ref_count = 1
             table.append(block_id)
@@ -380,6 +399,89 @@ class BlockManager:
                     self._free_cached += 1
         self._release_surplus()
 
+    # --- the offload tier's copies ---------------------------------------------------------------
+    def eviction_candidates(self, window: int, skip: Callable[[bytes], bool]) -> list[tuple[int, bytes]]:
+        """Cached free blocks whose content is about to leave this manager, with their names: those
+        among the next `window` blocks in line for reuse, and those beyond the cache cap (kept for the
+        tier by `keep`). `skip`: names not wanted (already in the tier)."""
+        stale = max(0, self._free_cached - self.cache_cap) if self.source is not None else 0
+        out = []
+        for position, block_id in enumerate(self._free):
+            if position >= window + stale:
+                break
+            h = self.blocks[block_id].hash
+            if h is not None and not skip(h):
+                out.append((block_id, h))
+        return out
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Hold blocks while their bytes are copied out: a free one leaves the free queue, keeping its name."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+                if block.hash is not None:
+                    self._free_cached -= 1
+            block.ref_count += 1
+            self._pins[block_id] = self._pins.get(block_id, 0) + 1
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Let go of pinned blocks; one nobody else holds is free again, first in line (its content is
+        in the tier now), and the surplus goes back to the pool."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            left = self._pins[block_id] - 1
+            if left:
+                self._pins[block_id] = left
+            else:
+                del self._pins[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+                if block.hash is not None:
+                    self._free_cached += 1
+        self._release_surplus()
+
+    def take_free(self, count: int) -> list[int] | None:
+        """`count` free blocks, pinned and unnamed, for bytes coming back from the tier; None if short.
+        Cached ones among them are in `evicted`: the caller flushes it before it writes them."""
+        if not self._ensure_free(count):
+            return None
+        taken = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                self._free_cached -= 1
+                if self.on_evict is not None:
+                    self.evicted.append((block_id, block.hash))
+            self._forget_hash(block)
+            block.ref_count = 1
+            self._pins[block_id] = 1
+            taken.append(block_id)
+        return taken
+
+    def install(self, token_ids: Sequence[int], placed: Sequence[tuple[int, int]]) -> None:
+        """Blocks `take_free` gave, now holding the KV of full blocks of `token_ids` ((position, block)
+        each, brought back from the tier): they join the prefix cache, announced to be sealed, so the
+        request's admission finds them as a prefix hit. One whose name is cached meanwhile stays unnamed."""
+        names = self.chain(token_ids, max((pos for pos, _ in placed), default=-1) + 1)
+        for pos, block_id in placed:
+            block = self.blocks[block_id]
+            if names[pos] not in self._cached:
+                block.hash = names[pos]
+                block.tokens = tuple(token_ids[pos * self.block_size : (pos + 1) * self.block_size])
+                self._cached[block.hash] = block_id
+                self.events.append(BlockEvent("stored", block_id, block.hash))
+            self._pins.pop(block_id)
+            block.ref_count = 0
+            self._free[block_id] = None  # the most recently used end: its request is admitted next
+            if block.hash is not None:
+                self._free_cached += 1
+            else:
+                self._free.move_to_end(block_id, last=False)
+
     def _forget_hash(self, block: Block) -> None:
         if block.hash is not None:
             if self._cached.get(block.hash) == block.block_id:
@@ -390,6 +492,8 @@ class BlockManager:
     def check_integrity(self) -> None:
         """Raise AssertionError if refcounts, tables, the free queue and the cache disagree."""
         counts = [0] * self.num_blocks
+        for block_id, pins in self._pins.items():
+            counts[block_id] += pins
         for table in self._tables.values():
             assert len(set(table)) == len(table), "a block appears twice in one table"
             for block_id in table:

@@ -24,6 +24,10 @@ _EPOCH_WRITES = {
     "unseal",
     "free",
     "checkpoint",
+    "reserve_slots",
+    "store_slots",
+    "free_slots",
+    "adopt_slots",
 }
 
 
@@ -82,6 +86,7 @@ def check_history(history: list[Op]) -> list[str]:
     active: dict[str, bool] = {}
     owner: dict[int, tuple[str, int]] = {}  # block -> (worker, epoch) while granted
     sealed: set[int] = set()
+    writing: dict[tuple[str, int], str] = {}  # offload-tier slot -> the worker writing into it
     for op in _expanded(history):
         if not op.ok:
             continue
@@ -145,10 +150,27 @@ def check_history(history: list[Op]) -> list[str]:
                 for b in a[2]:
                     owner.pop(b, None)
                     sealed.discard(b)
+            elif op.name == "reserve_slots":
+                for slot in op.result:
+                    if (a[2], slot) in writing:
+                        problems.append(
+                            f"#{op.seq}: {a[2]} slot {slot} reserved by {worker} while "
+                            f"{writing[(a[2], slot)]} writes it"
+                        )
+                    writing[(a[2], slot)] = worker
+            elif op.name == "store_slots":
+                for slot, *_ in a[3]:
+                    if writing.pop((a[2], slot), None) != worker:
+                        problems.append(f"#{op.seq}: {a[2]} slot {slot} stored by {worker}, who did not reserve it")
+            elif op.name == "free_slots":
+                for slot in a[3]:
+                    writing.pop((a[2], slot), None)
         elif op.name == "reclaim":
             if active.get(a[0], False):
                 problems.append(f"#{op.seq}: blocks of {a[0]} reclaimed while its lease is active")
             kept, quarantined = op.result
             for b in (*kept, *quarantined):
                 owner.pop(b, None)
+            for key in [k for k, w in writing.items() if w == a[0]]:
+                del writing[key]  # a dead writer's slots are freed by the reclaim
     return problems

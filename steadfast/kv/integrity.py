@@ -5,11 +5,25 @@ from __future__ import annotations
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.ledger import BlockState, Ledger
+from steadfast.kv.tier import TierFile
 
 
-def check_node(ledger: Ledger, arena: KVArena, tables: dict[str, dict[str, list[int]]] | None = None) -> list[str]:
-    """Every disagreement found; empty when consistent. `tables`: worker → request → block ids."""
+def check_node(
+    ledger: Ledger,
+    arena: KVArena,
+    tables: dict[str, dict[str, list[int]]] | None = None,
+    tier: TierFile | None = None,
+) -> list[str]:
+    """Every disagreement found; empty when consistent. `tables`: worker → request → block ids;
+    `tier`: the node's offload tier, whose offloaded slots' bytes are checked against their hashes."""
     problems = ledger.check_integrity()
+    if tier is not None:
+        slots = ledger.slots(tier.kind)
+        if len(slots) != tier.num_slots:
+            problems.append(f"the ledger has {len(slots)} slots of tier {tier.kind}, the tier {tier.num_slots}")
+        for s in slots:
+            if s.state == BlockState.OFFLOADED and s.hash and tier.digest(s.slot) != s.hash:
+                problems.append(f"{tier.kind} slot {s.slot}: its bytes no longer match its hash")
     blocks = {b.block_id: b for b in ledger.blocks()}
     if len(blocks) != arena.spec.num_blocks:
         problems.append(f"the ledger has {len(blocks)} blocks, the arena {arena.spec.num_blocks}")

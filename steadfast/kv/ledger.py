@@ -89,6 +89,26 @@ class BlockRecord:
     content: bytes | None = None  # a sealed block's chained token name (block_manager.block_hash)
 
 
+@dataclass(frozen=True)
+class SlotRecord:
+    """One slot of an offload tier (a block's bytes outside the arena). FREE; OWNED by its writer while
+    the bytes go in; OFFLOADED: written, hashed and the pool's (owner None), counted against `origin`'s
+    share of the tier. Named by the same chained token name as the sealed block it copies."""
+
+    tier: str
+    slot: int
+    state: BlockState
+    owner: str | None = None
+    epoch: int | None = None
+    origin: str | None = None
+    hash: bytes | None = None
+    content: bytes | None = None
+
+
+# An offloaded slot's record: (slot, hash of its bytes, chained name of its tokens).
+SlotSeal = tuple[int, bytes, bytes]
+
+
 @dataclass
 class RequestCheckpoint:
     request_id: str
@@ -210,6 +230,40 @@ class Ledger(abc.ABC):
     def sealed_with_content(self, contents: Sequence[bytes]) -> list[BlockRecord]:
         """SEALED blocks whose token name is one of `contents`, whoever owns them."""
 
+    # --- offload tiers ------------------------------------------------------------------------
+    # A tier's slots belong to the pool once written: a worker's death does not free them, and its
+    # successor adopts them (`adopt_slots`) as it adopts sealed blocks. Only a slot's writer (OWNED) or
+    # its origin (OFFLOADED) frees it; `reserve_slots` reuses a dead origin's slots after the free ones.
+    @abc.abstractmethod
+    def format_tier(self, tier: str, num_slots: int) -> None:
+        """Create the tier's `num_slots` FREE slots, or check an existing ledger has that many."""
+
+    @abc.abstractmethod
+    def reserve_slots(self, worker: str, epoch: int, tier: str, count: int) -> list[int]:
+        """Up to `count` slots become OWNED by the worker to write into: FREE ones first, then
+        OFFLOADED ones whose origin holds no live lease (nobody adopted them)."""
+
+    @abc.abstractmethod
+    def store_slots(self, worker: str, epoch: int, tier: str, seals: Sequence[SlotSeal]) -> None:
+        """Slots the worker wrote go OWNED → OFFLOADED with their hash and name: the pool's now, the
+        worker their origin (all or none)."""
+
+    @abc.abstractmethod
+    def free_slots(self, worker: str, epoch: int, tier: str, slots: Sequence[int]) -> None:
+        """The worker's OWNED slots, or OFFLOADED slots it is the origin of, become FREE (all or none)."""
+
+    @abc.abstractmethod
+    def adopt_slots(self, worker: str, epoch: int, tier: str, slots: Sequence[tuple[int, bytes]]) -> None:
+        """OFFLOADED slots with the hash given whose origin holds no live lease become the worker's to
+        count and free (all or none); those it is the origin of already are left as they are."""
+
+    @abc.abstractmethod
+    def offloaded_with_content(self, tier: str, contents: Sequence[bytes]) -> list[SlotRecord]:
+        """OFFLOADED slots of the tier whose token name is one of `contents`."""
+
+    @abc.abstractmethod
+    def slots(self, tier: str) -> list[SlotRecord]: ...
+
     # --- requests -----------------------------------------------------------------------------
     @abc.abstractmethod
     def checkpoint(self, worker: str, epoch: int, records: Sequence[RequestCheckpoint]) -> None:
@@ -256,4 +310,25 @@ class Ledger(abc.ABC):
                 problems.append(f"block {b.block_id} is SEALED without a hash")
             if b.state == BlockState.OWNED and b.refs < 1:
                 problems.append(f"block {b.block_id} is OWNED with refcount {b.refs}")
+        for tier in self.tiers():
+            for s in self.slots(tier):
+                where = f"{tier} slot {s.slot}"
+                if s.state == BlockState.OWNED:
+                    lease = leases.get(s.owner or "")
+                    if lease is None:
+                        problems.append(f"{where} is OWNED by {s.owner}, who has no lease")
+                    elif lease.state == LeaseState.ACTIVE and s.epoch != lease.epoch:
+                        problems.append(f"{where} has epoch {s.epoch}, its owner's lease {lease.epoch}")
+                elif s.state == BlockState.OFFLOADED:
+                    if s.owner is not None or not s.hash or not s.content:
+                        problems.append(f"{where} is OFFLOADED with an owner, or without a hash or name")
+                elif s.state == BlockState.FREE:
+                    if s.owner is not None or s.origin is not None or s.hash is not None:
+                        problems.append(f"{where} is FREE but has owner/origin/hash")
+                else:
+                    problems.append(f"{where} is {s.state}")
         return problems
+
+    @abc.abstractmethod
+    def tiers(self) -> list[str]:
+        """The offload tiers this ledger has slots of."""

@@ -27,7 +27,7 @@ import zmq
 from steadfast import protocol
 from steadfast.config import Config, config_from_dict
 from steadfast.ipc import die_with_parent, setup_logging
-from steadfast.kv.arena_file import make_arena, open_arena
+from steadfast.kv.arena_file import make_arena, make_tier, open_arena, tier_spec
 from steadfast.kv.ledger import FencedError, LeaseState, LedgerError, LedgerUnavailableError
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.pool_client import Throttled
@@ -54,7 +54,11 @@ def process_gone(pid: int) -> bool:
 
 
 class KVPool:
-    def __init__(self, cfg: Config, arena_path: str, ledger_url: str, spec: ArenaSpec, device: str = "cpu") -> None:
+    def __init__(
+        self, cfg: Config, arena_path: str, ledger_url: str, spec: ArenaSpec, device: str = "cpu", tier_path: str = ""
+    ) -> None:
+        """`tier_path`: the file of the node's offload tier (`cache.offload_tier`), made here (or
+        re-attached after a restart) and owned by the pool like the arena; empty: no tier."""
         self.cfg = cfg
         self.ttl_s = cfg.fault_recovery.lease.lease_timeout_ms / 1000
         self.ledger_url = ledger_url
@@ -77,6 +81,12 @@ class KVPool:
         else:
             make_arena(arena_path, spec.nbytes, json.dumps(asdict(spec)))
         self.ledger.format(self.spec.num_blocks)
+        self.tier, self.tier_path = (cfg.cache.offload_tier, tier_path) if tier_path else ("", "")
+        if self.tier:
+            slots = cfg.cache.tier_slots(self.spec.num_blocks)
+            make_tier(tier_path, tier_spec(self.spec, slots))
+            self.ledger.format_tier(self.tier, slots)
+            log.info("offload tier %s: %d blocks in %s", self.tier, slots, tier_path)
         self._reclaimed: set[tuple[str, int]] = set()  # (worker, fenced epoch) already reclaimed
         self.window_s = cfg.fault_recovery.request.idempotency_window
         # A row outlives the window by at most half of it (30 s at most); a scan per tick would cost for nothing.
@@ -135,6 +145,7 @@ class KVPool:
     def _where(self, reply: PoolReply) -> PoolReply:
         reply.arena_path = self.arena_path
         reply.ledger_url = self.ledger_url
+        reply.tier, reply.tier_path = self.tier, self.tier_path
         if self.device_arena is not None:
             # A device arena travels as an IPC handle, one per importer (torch counts each of them).
             reply.cuda_ipc = self.device_arena.export_ipc()
@@ -215,11 +226,12 @@ def main() -> None:
     parser.add_argument("--spec-json", required=True, help="arena spec, used when creating it")
     parser.add_argument("--ready-file", help="written once the pool serves")
     parser.add_argument("--device", default="cpu", help="cpu: a /dev/shm file arena; cuda[:N]: device memory")
+    parser.add_argument("--tier", default="", help="the offload tier's file (cache.offload_tier), made here")
     args = parser.parse_args()
     die_with_parent()
     setup_logging("kvpool")
     cfg = config_from_dict(json.loads(args.config_json))
-    pool = KVPool(cfg, args.arena, args.ledger, ArenaSpec(**json.loads(args.spec_json)), args.device)
+    pool = KVPool(cfg, args.arena, args.ledger, ArenaSpec(**json.loads(args.spec_json)), args.device, args.tier)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(args.address)

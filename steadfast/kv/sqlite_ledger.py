@@ -32,6 +32,7 @@ from steadfast.kv.ledger import (
 )
 from steadfast.kv.moves.messages import MoveOutcome
 from steadfast.kv.sqlite_rows import ids_blob, ids_of
+from steadfast.kv.sqlite_slots import SLOTS_SCHEMA, SqliteSlots
 
 MOVE_RECORD_S = 3600.0  # a move's decision is kept this long (seconds of the ledger's clock), then pruned
 
@@ -55,7 +56,7 @@ INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', 0);
 """
 
 
-class SqliteLedger(Ledger):
+class SqliteLedger(SqliteSlots, Ledger):
     def __init__(
         self,
         path: str,
@@ -78,7 +79,7 @@ class SqliteLedger(Ledger):
         except sqlite3.Error as exc:
             raise self._unavailable(exc) from exc
         with self._tx() as c:
-            for statement in _SCHEMA.split(";"):
+            for statement in (_SCHEMA + SLOTS_SCHEMA).split(";"):
                 if statement.strip():
                     c.execute(statement)
             if "content" not in {row[1] for row in c.execute("PRAGMA table_info(blocks)")}:
@@ -378,6 +379,7 @@ class SqliteLedger(Ledger):
             )
             # Sealed blocks stay sealed, ownerless: adoptable by whoever verifies their hash.
             c.executemany("UPDATE blocks SET owner = NULL, epoch = NULL, refs = 0 WHERE id = ?", ((i,) for i in sealed))
+            self.release_slots_of(c, worker)
         return sealed, partial
 
     _BLOCK_COLUMNS = "id, state, owner, epoch, request, refs, hash, tier, content"

@@ -55,6 +55,7 @@ def pool_spec(
     spec: ArenaSpec,
     ready_file: str,
     device: str,
+    tier_path: str = "",
 ) -> ChildSpec:
     argv = (
         "steadfast.kv.pool",
@@ -72,6 +73,7 @@ def pool_spec(
         ready_file,
         "--device",
         device,
+        *(("--tier", tier_path) if tier_path else ()),
     )
     return ChildSpec(ChildKind.POOL, pool_name(index), argv, OnExit.RESTART, node=index)
 

@@ -376,6 +376,18 @@ class Launcher:
             return []
         return [self._spawn_zygote()]
 
+    def _tier_path(self, suffix: str, arena_path: str) -> str:
+        """The node's offload tier file: beside its arena (host, in this launcher's arena folder), or in
+        `cache.offload_dir` (disk; the run folder when unset), removed when the launcher stops."""
+        c = self.cfg.cache
+        if c.offload_tier == "none":
+            return ""
+        if c.offload_tier == "host":
+            return arena_path + ".tier"
+        path = str(Path(c.offload_dir or self.run_dir) / f"kvpool{suffix}-{os.getpid()}.tier")
+        self.shared_files += [path, path + ".json"]
+        return path
+
     def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec) -> None:
         configured = self.cfg.fault_recovery.kv_cache.resolved_ledger_url
         suffix = "" if index == 0 else f"-node{index}"
@@ -389,7 +401,15 @@ class Launcher:
         address = f"ipc://{self.run_dir}/kvpool{suffix}"
         ready = self.run_dir / f"kvpool{suffix}.ready"
         child = pool_spec(
-            cfg_json, index, address, arena_path, ledger, spec, str(ready), self.cfg.model.resolved_device
+            cfg_json,
+            index,
+            address,
+            arena_path,
+            ledger,
+            spec,
+            str(ready),
+            self.cfg.model.resolved_device,
+            self._tier_path(suffix, arena_path),
         )
         node = PoolNode(index, address, ledger, child)
         self.nodes.append(node)

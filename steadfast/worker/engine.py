@@ -20,6 +20,7 @@ from steadfast.kv.block_manager import BlockManager, BlockSource
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.spec import arena_spec
+from steadfast.kv.tier import TierFile
 from steadfast.model import paged_attention
 from steadfast.model.gguf_loader import load_weights
 from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, read_config
@@ -29,7 +30,8 @@ from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.protocol import AddRequest, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
 from steadfast.worker.detokenizer import Detokenizer
 from steadfast.worker.kv_connector import KVConnector
-from steadfast.worker.ledger_sync import LedgerSync
+from steadfast.worker.ledger_sync import LedgerSlots, LedgerSync
+from steadfast.worker.offload import LocalSlots, Offloader
 from steadfast.worker.request import Request, Status
 from steadfast.worker.runner import ModelRunner
 from steadfast.worker.sampler import sample
@@ -102,8 +104,10 @@ class Engine:
         sync: LedgerSync | None = None,
         sender: KVSender | None = None,
         receiver: KVReceiver | None = None,
+        tier: TierFile | None = None,
     ) -> None:
-        """`sender`, `receiver`: KV to and from other nodes (a prefill worker's, a decode worker's)."""
+        """`sender`, `receiver`: KV to and from other nodes (a prefill worker's, a decode worker's);
+        `tier`: the node's offload tier, mapped (its slots recorded in the ledger, else known here alone)."""
         if arena.device.type != loaded.model.device.type:
             raise ValueError(f"the KV arena is on {arena.device}, the model on {loaded.model.device}")
         self.cfg = cfg
@@ -122,6 +126,12 @@ class Engine:
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self._drafts)
         self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
         self.kv = KVConnector(cfg, arena, self.blocks, self.scheduler, sync, sender, receiver)
+        self.offload: Offloader | None = None
+        if tier is not None:
+            book = LedgerSlots(sync, tier.kind) if sync is not None else LocalSlots(tier.num_slots)
+            self.offload = Offloader(tier, arena, self.blocks, book, cfg.cache.tier_slots(arena.spec.num_blocks))
+            self.scheduler.swap = self.offload.swap_out
+            self.scheduler.prefetch = self.offload.ready
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (rejections, transfers)
@@ -134,7 +144,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._pending) or self.kv.busy
+        offloading = self.offload is not None and self.offload.busy
+        return self.scheduler.has_work or bool(self._pending) or self.kv.busy or offloading
 
     @property
     def only_waiting_on_transfers(self) -> bool:
@@ -197,7 +208,8 @@ class Engine:
         t0 = time.perf_counter()
         request.output_ids = list(done)
         self._restore_text(detok, done, resume)
-        request.recovery = recover(self.cfg.fault_recovery.kv_cache.recovery_mode, self.sync, self.blocks, request)
+        mode = self.cfg.fault_recovery.kv_cache.recovery_mode
+        request.recovery = recover(mode, self.sync, self.blocks, request, self.offload)
         request.resume_tokens = request.num_tokens
         log.info(
             "took over %s from worker %d at token %d: %s, %d tokens of KV adopted (%.0f ms)",
@@ -270,12 +282,18 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self.collect_moves()
+        if self.offload is not None:
+            self.offload.poll()
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
+            if self.offload is not None:
+                self.offload.plan()
             return outputs
         t0 = time.perf_counter()
         self._step_start = time.monotonic()
+        if self.offload is not None:
+            self.offload.flush()  # cached blocks this step reuses: out to the tier before they change
         if self.sync is not None:
             self.sync.before_execute(self.blocks)
         hook = self.kv.layer_hook(scheduled)
@@ -298,6 +316,8 @@ class Engine:
         self.steps += 1
         if self.sync is not None:
             self.sync.after_step(self.requests.values(), self.blocks, prompt_done)
+        if self.offload is not None:
+            self.offload.plan()
         for request in self.kv.after_step():
             self._let_go(request)
         self.step_tokens += scheduled.num_tokens

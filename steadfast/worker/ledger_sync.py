@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import msgspec
 
 from steadfast.config import Config
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.kv.ledger import BlockRecord, FencedError, LedgerUnavailableError, RequestCheckpoint
+from steadfast.kv.ledger import (
+    BlockRecord,
+    FencedError,
+    LedgerUnavailableError,
+    RequestCheckpoint,
+    SlotRecord,
+    SlotSeal,
+)
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.moves.messages import MoveOutcome
 from steadfast.kv.pool_client import LeaseKeeper, LeaseLostError, PoolClient
@@ -108,7 +115,9 @@ class LedgerSync:
                 unseals[b] = None
         if self._sealed_pending or unseals:
             t0 = time.perf_counter()
-            seals = [(b, self.arena.digest(b), name) for b, name in self._sealed_pending.items() if b not in unseals]
+            # A block both unsealed and sealed here was refilled (brought back from the offload tier, say)
+            # since the last sync: unsealed first, then sealed with its new bytes, in one transaction.
+            seals = [(b, self.arena.digest(b), name) for b, name in self._sealed_pending.items()]
             self._write(self.ledger.seal_and_unseal, seals, list(unseals))
             self._ledger_sealed.difference_update(unseals)
             self._ledger_sealed.update(b for b, _, _ in seals)
@@ -243,3 +252,30 @@ class LedgerSync:
             except Exception as exc:  # the pool's arbiter cleans up after the lease expires anyway
                 log.warning("clean release failed (%s); the lease will expire instead", exc)
         self.ledger.close()
+
+
+class LedgerSlots:
+    """The offload tier's slots as the node's ledger records them, written under this worker's lease
+    (the offloader's `SlotBook`)."""
+
+    def __init__(self, sync: LedgerSync, tier: str) -> None:
+        self.sync = sync
+        self.tier = tier
+
+    def reserve(self, count: int) -> list[int]:
+        return self.sync._write(self.sync.ledger.reserve_slots, self.tier, count) if count else []
+
+    def store(self, seals: Sequence[SlotSeal]) -> None:
+        if seals:
+            self.sync._write(self.sync.ledger.store_slots, self.tier, list(seals))
+
+    def free(self, slots: Sequence[int]) -> None:
+        if slots:
+            self.sync._write(self.sync.ledger.free_slots, self.tier, list(slots))
+
+    def offloaded(self, names: Sequence[bytes]) -> list[SlotRecord]:
+        return self.sync.ledger.offloaded_with_content(self.tier, names)
+
+    def adopt(self, slots: Sequence[tuple[int, bytes]]) -> None:
+        if slots:
+            self.sync._write(self.sync.ledger.adopt_slots, self.tier, list(slots))

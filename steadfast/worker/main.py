@@ -32,6 +32,7 @@ from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.pool_client import LeaseLostError, PoolClient
 from steadfast.kv.spec import arena_spec
+from steadfast.kv.tier import TierFile
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
@@ -96,6 +97,7 @@ class WorkerLoop:
             spec_drafted=e.spec.drafted,
             spec_accepted=e.spec.accepted,
             tokens_per_step=e.spec.tokens_per_step,
+            **offload_status(e),
         )
 
     def _report(self, force: bool = False) -> None:
@@ -177,6 +179,20 @@ class WorkerLoop:
                 why = f"engine error: {exc}"
                 failed.append(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=why))
             return failed
+
+
+def offload_status(e: Engine) -> dict[str, int]:
+    """The status report's offload-tier and preemption counts."""
+    s = e.scheduler
+    counts = {
+        "swap_preemptions": s.swap_preemptions,
+        "recompute_preemptions": s.recompute_preemptions,
+        "recomputed_tokens": s.recomputed_tokens,
+    }
+    if e.offload is not None:
+        o = e.offload
+        counts.update(kv_blocks_offloaded=len(o.index), offload_written=o.written, offload_fetched=o.fetched)
+    return counts
 
 
 def transfer_side(role: WorkerRole, given: TransferSide | None) -> TransferSide:
@@ -317,7 +333,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
         side = transfer_side(args.role, args.transfer_side)
         keys = transfer_keys(cfg, side, args.transfer_keys)
         sender, receiver = _other_nodes(cfg, arena, args.pool, pool, sync, side, keys)
-        engine = Engine(cfg, loaded, arena, source=pool, sync=sync, sender=sender, receiver=receiver)
+        tier = TierFile.attach(reply.tier, reply.tier_path, arena.spec) if reply.tier_path else None
+        engine = Engine(cfg, loaded, arena, source=pool, sync=sync, sender=sender, receiver=receiver, tier=tier)
         loop.node = args.pool
     elif args.device_arena:
         spec = arena_spec(cfg, loaded.model_cfg)
@@ -343,6 +360,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
         log.error("lease lost, every further write would be refused; exiting: %s", exc)
         os._exit(EXIT_LEASE_LOST)  # no clean-up that could write: this process is fenced
     engine.kv.close()
+    if engine.offload is not None:
+        engine.offload.close()
     if sync is not None:
         sync.close(pool, engine.blocks.held_blocks)
     ctx.destroy(linger=200)  # (the router reads fast; gone, nothing would reach it anyway)

@@ -28,6 +28,7 @@ class Request:
         self.num_computed = 0  # tokens whose KV is in the arena
         self.num_cached = 0  # prompt tokens found in the prefix cache at first admission
         self.num_preemptions = 0
+        self.kv_lost = 0  # tokens of KV it had when it was last preempted
         self.finish_reason: FinishReason | None = None
         # A taken-over request: (route, tokens of KV adopted) until its first new token reports them.
         self.recovery: tuple[Route, int] | None = None

@@ -6,6 +6,10 @@ into what budget and KV room are left, reusing cached prefix blocks. When a runn
 block and none is free, the lowest-priority, latest-arrived running request not yet scheduled this
 step is preempted: its blocks are freed and it waits to be recomputed (its output tokens are kept).
 
+With an offload tier, a preempted request's named blocks are swapped out to it first (`swap`), and a
+waiting request whose prefix the tier holds waits until those blocks are back (`prefetch`): then its
+admission finds them cached, and only the tail of its last block is recomputed.
+
 With speculative decoding a decoding request may bring draft tokens: it is then scheduled to verify
 them (one position each, beyond its own token) when budget and KV room allow, else as a plain decode —
 drafts never preempt anybody.
@@ -40,6 +44,11 @@ class ScheduledStep:
 
 # A decoding request and the step budget left → the draft tokens it would verify (none: a plain decode).
 Drafter = Callable[[Request, int], list[int]]
+# A request about to be preempted → how many of its named blocks the offload tier holds now.
+Swapper = Callable[[Request], int]
+# A waiting request, its arena prefix hits, whether others run → may it be admitted now (False: its KV
+# is on its way back from the offload tier, or waits for room to come back).
+Prefetcher = Callable[[Request, list[int], bool], bool]
 
 
 class Scheduler:
@@ -47,6 +56,11 @@ class Scheduler:
         self.cfg = cfg
         self.blocks = blocks
         self.drafter = drafter
+        self.swap: Swapper | None = None
+        self.prefetch: Prefetcher | None = None
+        self.swap_preemptions = 0  # preempted with KV kept in the offload tier
+        self.recompute_preemptions = 0  # preempted with nothing kept there
+        self.recomputed_tokens = 0  # tokens whose KV a preempted request had, computed again
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
         self._waiting_ids: dict[str, Request] = {}
@@ -87,8 +101,13 @@ class Scheduler:
         return request
 
     def _preempt(self, request: Request) -> None:
+        if self.swap is not None and self.swap(request):
+            self.swap_preemptions += 1
+        else:
+            self.recompute_preemptions += 1
         self.running.remove(request)
         self.blocks.free(request.request_id)
+        request.kv_lost = request.num_computed
         request.num_computed = 0
         request.num_preemptions += 1
         self.add(request)
@@ -131,12 +150,17 @@ class Scheduler:
             else:
                 step.prefills.append((request, n))
 
+        deferred = []  # waiting for their KV to come back from the offload tier
         while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             _, request = self._waiting[0]
             if request.request_id not in self._waiting_ids or request.status is not Status.WAITING:
                 heapq.heappop(self._waiting)  # stale entry of a removed request
                 continue
-            hits = self.blocks.match_prefix(request.all_ids)
+            own = request.num_preemptions > 0 or request.recovery is not None
+            hits = self.blocks.match_prefix(request.all_ids, own)
+            if self.prefetch is not None and not self.prefetch(request, hits, bool(self.running)):
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             cached = len(hits) * self.blocks.block_size
             n = min(request.num_tokens - cached, self.cfg.max_prefill_chunk, budget)
             if self.blocks.allocate(request.request_id, cached + n, prefix=hits) is None:
@@ -145,6 +169,9 @@ class Scheduler:
             del self._waiting_ids[request.request_id]
             if request.num_preemptions == 0:
                 request.num_cached = cached
+            else:
+                self.recomputed_tokens += max(0, request.kv_lost - cached)
+                request.kv_lost = 0
             request.num_computed = cached
             request.status = Status.RUNNING
             self.running.append(request)
@@ -153,4 +180,6 @@ class Scheduler:
                 step.decodes.append(request)
             else:
                 step.prefills.append((request, n))
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
         return step

@@ -11,15 +11,20 @@ from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.ledger import LedgerError
 from steadfast.protocol import Route
 from steadfast.worker.ledger_sync import LedgerSync
+from steadfast.worker.offload import Offloader
 from steadfast.worker.request import Request
 
 log = logging.getLogger("steadfast.worker.engine")
 
 
-def recover(mode: str, sync: LedgerSync | None, blocks: BlockManager, request: Request) -> tuple[Route, int]:
+def recover(
+    mode: str, sync: LedgerSync | None, blocks: BlockManager, request: Request, offload: Offloader | None = None
+) -> tuple[Route, int]:
     """Pick the takeover route for `request`; return it and how many tokens of KV were adopted.
 
     ledger_first adopts the dead worker's sealed, hash-verified blocks and recomputes only the tail;
+    blocks it had offloaded (the pool's) are adopted from the tier too and fetched back before the
+    request is admitted;
     rebuild recomputes prompt and delivered tokens. auto adopts whenever anything verifies (hashing a
     block costs far less than recomputing it). Any disagreement between ledger and arena means
     rebuild: suspect bytes are never adopted.
@@ -29,14 +34,21 @@ def recover(mode: str, sync: LedgerSync | None, blocks: BlockManager, request: R
     bs = blocks.block_size
     ids = request.all_ids
     names = blocks.chain(ids, (len(ids) - 1) // bs)
-    # Blocks whose content this worker already caches need no adoption.
-    plan = sync.adoptable(names, lambda pos: blocks.is_cached(names[pos]))
-    if not plan:
+    # Blocks whose content this worker already caches (or its tier holds) need no adoption.
+    have = {pos for pos, name in enumerate(names) if blocks.is_cached(name) or (offload and name in offload.index)}
+    plan = sync.adoptable(names, lambda pos: pos in have)
+    if plan is None:
         return Route.REBUILD, 0
-    try:
-        sync.adopt([(b, h) for _, b, h in plan])
-    except LedgerError as exc:  # taken by someone else meanwhile: recompute rather than share
-        log.warning("request %s: adoption refused (%s); rebuilding", request.request_id, exc)
+    if plan:
+        try:
+            sync.adopt([(b, h) for _, b, h in plan])
+        except LedgerError as exc:  # taken by someone else meanwhile: recompute rather than share
+            log.warning("request %s: adoption refused (%s); rebuilding", request.request_id, exc)
+            return Route.REBUILD, 0
+        blocks.adopt(ids, [(pos, b) for pos, b, _ in plan])
+    adopted = [pos for pos, _, _ in plan]
+    if offload is not None:  # what the arena lacks may be in the tier, offloaded by the dead worker
+        adopted += offload.adopt(names, have | set(adopted))
+    if not adopted:
         return Route.REBUILD, 0
-    blocks.adopt(ids, [(pos, b) for pos, b, _ in plan])
-    return Route.LEDGER_FIRST, (plan[-1][0] + 1) * bs
+    return Route.LEDGER_FIRST, (max(adopted) + 1) * bs

@@ -1,0 +1,109 @@
+"""A worker holding offloaded KV is `kill -9`ed under load: its successor adopts the offloaded blocks
+(the pool's, not the dead worker's) from the tier as it adopts sealed ones from the arena, fetches them
+back, and every stream ends token-identical to a fault-free run.
+
+The arena is too small for the batch, so requests are preempted by swap: their blocks go to the host
+tier and they wait. The kill lands while the worker holds offloaded sequences (its status says so);
+the takeover records show the route and what was recomputed; `check_node` finds ledger, arena and
+tier consistent afterwards, the tier's bytes against their hashes included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from steadfast.kv.arena import map_arena
+from steadfast.kv.integrity import check_node
+from steadfast.kv.ledger import BlockState
+from steadfast.kv.ledger_url import open_ledger
+from steadfast.kv.pool import process_gone
+from steadfast.kv.pool_client import PoolClient
+from steadfast.kv.tier import TierFile
+from tests.chaos.test_crash_recovery import Stream, admin, assert_exact_once, reference
+from tests.conftest import PROMPTS, wait_until
+from tests.integration.server import ServerProcess
+
+pytestmark = pytest.mark.chaos
+
+STREAMS = 8
+MAX_TOKENS = 64
+ARENA_BLOCKS = 40  # about half of what the eight streams need at their longest
+
+CONFIG = f"""
+model: {{dtype: float32, device: cpu}}
+cache: {{num_blocks: {ARENA_BLOCKS}, pool_grant_batch: 4, offload_tier: host, offload_blocks: 64}}
+server: {{standby_workers: 1}}
+fault_recovery:
+  kv_cache: {{snapshot_interval_steps: 4, recovery_mode: ledger_first}}
+  takeover: {{reserve_fraction: 0.0}}
+"""
+
+
+def specs() -> list[dict]:
+    return [
+        {"prompt": f"{PROMPTS[i % len(PROMPTS)]} {PROMPTS[(i + 3) % len(PROMPTS)]}", "temperature": t, "seed": 90 + i}
+        for i, t in zip(range(STREAMS), [0.0, 0.8] * STREAMS, strict=False)
+    ]
+
+
+def test_a_killed_workers_offloaded_kv_is_adopted_from_the_tier(tmp_path, small_model, make_engine, small_config):
+    work = specs()
+    want = reference(small_model, make_engine, small_config, work, MAX_TOKENS)
+    server = ServerProcess(tmp_path, CONFIG, model=small_config.model.path)
+    try:
+        server.wait_ready()
+        wait_until(
+            lambda: any(w["role"] == "standby" and w["state"] == "ready" for w in admin(server, "workers")),
+            60,
+            "a ready standby",
+        )
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        streams = [Stream(server.url, model, s, MAX_TOKENS) for s in work]
+        for s in streams:
+            s.start()
+
+        def holding():
+            ws = admin(server, "workers")
+            mixed = [w for w in ws if w["role"] == "mixed" and w["state"] == "ready"]
+            return mixed and mixed[0]["swap_preemptions"] > 0 and mixed[0]["kv_blocks_offloaded"] > 0 and mixed[0]
+
+        victim = wait_until(holding, 120, "the worker to swap requests out to the tier")
+        assert any(s.finish is None for s in streams), "the streams ended before the kill"
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_until(lambda: process_gone(victim["pid"]), 10, "the killed worker to be gone")
+        for s in streams:
+            s.join(timeout=300)
+
+        assert_exact_once(streams, want)
+        takeovers = [t for t in admin(server, "takeovers") if t["from_worker"] == victim["id"]]
+        assert takeovers, "nothing was taken over from the killed worker"
+        print("victim before the kill:", victim)
+        for t in takeovers:
+            print("takeover:", t)
+        heir = {w["id"]: w for w in admin(server, "workers")}[takeovers[0]["to_worker"]]
+        print("heir:", heir)
+        assert {t["route"] for t in takeovers} == {"ledger_first"}, takeovers
+        assert heir["offload_fetched"] > 0, heir  # the tier's blocks came back, not recomputed
+        # Most of what the requests had came back from the arena or the tier, not recomputed.
+        adopted = sum(t["adopted_tokens"] for t in takeovers)
+        recomputed = sum(t["recomputed_tokens"] for t in takeovers)
+        assert recomputed < adopted / 2, takeovers
+
+        (address,) = server.pool_addresses()
+        reply = PoolClient(address, "inspector").attach(os.getpid())
+        ledger = open_ledger(reply.ledger_url)
+        arena = map_arena(reply)
+        tier = TierFile.attach(reply.tier, reply.tier_path, arena.spec)
+        assert check_node(ledger, arena, tier=tier) == []
+        dead = f"worker{victim['id']}"
+        assert not [b for b in ledger.blocks() if b.owner == dead and b.state != BlockState.FREE]
+        # Slots it was writing when it died are free again; those it had offloaded are the pool's
+        # (adopted by the heir where a request needed them, else reusable by anyone).
+        assert not [s for s in ledger.slots(tier.kind) if s.owner == dead]
+    finally:
+        print(server.output()[-6000:])  # shown when the test fails
+        server.stop()
