@@ -14,7 +14,9 @@ import torch
 
 from steadfast.config import Config, default_model_path
 from steadfast.kv.arena import KVArena
+from steadfast.kv.arena_file import make_tier, remove_tier, tier_spec
 from steadfast.kv.spec import arena_spec
+from steadfast.kv.tier import TierFile
 from steadfast.worker.engine import Engine, LoadedModel, load_model
 from tests.small_gguf import truncate
 
@@ -109,6 +111,24 @@ def make_engine(make_arena) -> Iterator:
         return Engine(cfg, loaded, make_arena(cfg, loaded))
 
     yield make
+
+
+@pytest.fixture
+def make_tier_file(tmp_path):
+    """`make(kind, arena, slots)`: an offload tier for an engine without a pool (host: in /dev/shm;
+    disk: in the test's folder), removed after the test."""
+    made = []
+
+    def make(kind: str, arena: KVArena, slots: int) -> TierFile:
+        folder = "/dev/shm" if kind == "host" else str(tmp_path)
+        path = str(Path(folder) / f"steadfast-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.tier")
+        make_tier(path, tier_spec(arena.spec, slots))
+        made.append(path)
+        return TierFile.attach(kind, path, arena.spec)
+
+    yield make
+    for path in made:
+        remove_tier(path)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import torch
 import xxhash
 
@@ -23,15 +24,22 @@ from steadfast.kv.arena import KVArena, torch_dtype
 from steadfast.kv.spec import ArenaSpec
 
 
+def _plain(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's bytes in its shape (bf16 seen as int16: numpy has no bf16)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()]).numpy()
+
+
 class TierFile:
     """A worker's mapping of a tier. Copies run on the caller's thread (the offloader's own, not the
-    engine's): torch lets go of the GIL while it copies."""
+    engine's). Between host memories they are numpy copies: single-threaded and without the GIL, where a
+    torch copy would start a second OpenMP team that fights the forward pass's for the cores."""
 
     def __init__(self, kind: str, path: str, spec: ArenaSpec, tensor: torch.Tensor) -> None:
         self.kind = kind
         self.path = path
         self.spec = spec
         self.tensor = tensor  # [slots, num_layers, 2, kv_heads, block_size, head_dim]
+        self._np = _plain(tensor)
 
     @property
     def num_slots(self) -> int:
@@ -55,8 +63,12 @@ class TierFile:
     def write(self, arena: KVArena, pairs: list[tuple[int, int]]) -> list[bytes]:
         """Copy blocks out: (block, slot) each; returns each slot's digest."""
         digests = []
+        src = _plain(arena.tensor) if arena.device.type == "cpu" else None
         for block, slot in pairs:
-            self.tensor[slot].copy_(arena.tensor[:, :, :, block])
+            if src is not None:
+                np.copyto(self._np[slot], src[:, :, :, block])
+            else:
+                self.tensor[slot].copy_(arena.tensor[:, :, :, block])
             digests.append(self.digest(slot))
         return digests
 
@@ -64,12 +76,15 @@ class TierFile:
         """Copy slots back: (slot, block, the slot's recorded digest) each; a slot whose bytes no longer
         hash to its digest is not copied (False), so the arena never takes suspect bytes."""
         ok = []
+        dst = _plain(arena.tensor) if arena.device.type == "cpu" else None
         for slot, block, digest in pairs:
             good = self.digest(slot) == digest
-            if good:
+            if good and dst is not None:
+                np.copyto(dst[:, :, :, block], self._np[slot])
+            elif good:
                 arena.tensor[:, :, :, block].copy_(self.tensor[slot])
             ok.append(good)
         return ok
 
     def digest(self, slot: int) -> bytes:
-        return xxhash.xxh3_128_digest(self.tensor[slot].view(torch.uint8).numpy())
+        return xxhash.xxh3_128_digest(self._np[slot])

@@ -261,6 +261,8 @@ class Engine:
             self.sync.finished(request)
         self.kv.ended(request)  # ended before its KV was committed elsewhere: the move is given up
         self.spec.forget(request.request_id)
+        if self.offload is not None:
+            self.offload.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
 

@@ -107,6 +107,9 @@ class Offloader:
         self._jobs: queue.SimpleQueue[_Write | _Fetch | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[_Write | _Fetch] = queue.SimpleQueue()
         self.written = self.fetched = self.fetch_failed = self.swapped = 0
+        # A swapped-out request's names: kept in the tier (never evicted for cached blocks) until it runs again.
+        self._swapped: dict[str, set[bytes]] = {}
+        self._kept: dict[bytes, int] = {}  # name -> how many swapped requests hold it
         self.written_inline = 0  # of `written`: copied on the engine's thread (evicted before written ahead)
         blocks.on_evict = self._write_now
         self._thread = threading.Thread(target=self._run, name="kv-offload", daemon=True)
@@ -195,7 +198,8 @@ class Offloader:
         writing = len(self._writing.pairs) if self._writing is not None else 0
         over = len(self.index) + writing + count - self.cap
         if over > 0:
-            victims = [n for n, (s, _) in self.index.items() if s not in self._busy and n not in protect][:over]
+            spare = protect | self._kept.keys()
+            victims = [n for n, (s, _) in self.index.items() if s not in self._busy and n not in spare][:over]
             if victims:
                 self.book.free([self.index.pop(n)[0] for n in victims])
         room = self.cap - len(self.index) - writing
@@ -246,9 +250,29 @@ class Offloader:
         """A request about to be preempted: write its named blocks the tier lacks, now (the scheduler
         reuses them within this step). Returns how many of them the tier holds (the rest are recomputed)."""
         table = self.blocks.block_table(request.request_id)
-        held = self._write_now([(b, h) for b in table if (h := self.blocks.blocks[b].hash) is not None])
-        self.swapped += held > 0
+        named = [(b, h) for b in table if (h := self.blocks.blocks[b].hash) is not None]
+        held = self._write_now(named)
+        if held:
+            self.swapped += 1
+            self._release(request.request_id)
+            names = {n for _, n in named}
+            self._swapped[request.request_id] = names
+            for n in names:
+                self._kept[n] = self._kept.get(n, 0) + 1
         return held
+
+    def _release(self, request_id: str) -> None:
+        """A swapped-out request runs again (or left): its blocks in the tier are ordinary entries again."""
+        for n in self._swapped.pop(request_id, ()):
+            left = self._kept[n] - 1
+            if left:
+                self._kept[n] = left
+            else:
+                del self._kept[n]
+
+    def forget(self, request_id: str) -> None:
+        """A request that ended: nothing of it is kept in the tier on its behalf any more."""
+        self._release(request_id)
 
     def ready(self, request: Request, hits: Sequence[int], others_run: bool) -> bool:
         """May `request` be admitted now (its arena prefix hits `hits`)? False while blocks of its prefix
@@ -259,6 +283,7 @@ class Offloader:
             return False
         self.flush()  # blocks an admission before it took from this request's prefix: in the tier now
         if not self.index:
+            self._release(request.request_id)
             return True
         bs = self.blocks.block_size
         ids = request.all_ids
@@ -272,6 +297,7 @@ class Offloader:
                 break
             found.append((pos + i, name, entry))
         if not found:
+            self._release(request.request_id)
             return True
         fresh = self.blocks.take_free(len(found))
         if fresh is None:

@@ -33,9 +33,9 @@ STREAMS = 8
 MAX_TOKENS = 64
 ARENA_BLOCKS = 40  # about half of what the eight streams need at their longest
 
-CONFIG = f"""
+CONFIG = """
 model: {{dtype: float32, device: cpu}}
-cache: {{num_blocks: {ARENA_BLOCKS}, pool_grant_batch: 4, offload_tier: host, offload_blocks: 64}}
+cache: {{num_blocks: {blocks}, pool_grant_batch: 4, offload_tier: {tier}, offload_blocks: 64}}
 server: {{standby_workers: 1}}
 fault_recovery:
   kv_cache: {{snapshot_interval_steps: 4, recovery_mode: ledger_first}}
@@ -50,12 +50,22 @@ def specs() -> list[dict]:
     ]
 
 
-def test_a_killed_workers_offloaded_kv_is_adopted_from_the_tier(tmp_path, small_model, make_engine, small_config):
+def node_of(server: ServerProcess):
+    (address,) = server.pool_addresses()
+    reply = PoolClient(address, "inspector").attach(os.getpid())
+    arena = map_arena(reply)
+    return open_ledger(reply.ledger_url), arena, TierFile.attach(reply.tier, reply.tier_path, arena.spec)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_killed_workers_offloaded_kv_is_adopted_from_the_tier(tier, tmp_path, small_model, make_engine, small_config):
     work = specs()
     want = reference(small_model, make_engine, small_config, work, MAX_TOKENS)
-    server = ServerProcess(tmp_path, CONFIG, model=small_config.model.path)
+    server = ServerProcess(tmp_path, CONFIG.format(blocks=ARENA_BLOCKS, tier=tier), model=small_config.model.path)
     try:
         server.wait_ready()
+        ledger, arena, tier_file = node_of(server)
+        assert tier_file.kind == tier and (tier_file.path.startswith("/dev/shm/") == (tier == "host"))
         wait_until(
             lambda: any(w["role"] == "standby" and w["state"] == "ready" for w in admin(server, "workers")),
             60,
@@ -73,37 +83,34 @@ def test_a_killed_workers_offloaded_kv_is_adopted_from_the_tier(tmp_path, small_
 
         victim = wait_until(holding, 120, "the worker to swap requests out to the tier")
         assert any(s.finish is None for s in streams), "the streams ended before the kill"
+        dead = f"worker{victim['id']}"
+        offloaded = {s.slot: s.hash for s in ledger.slots(tier) if s.origin == dead}
         os.kill(victim["pid"], signal.SIGKILL)
         wait_until(lambda: process_gone(victim["pid"]), 10, "the killed worker to be gone")
+        assert offloaded, "the killed worker held nothing in the tier"
         for s in streams:
             s.join(timeout=300)
 
         assert_exact_once(streams, want)
         takeovers = [t for t in admin(server, "takeovers") if t["from_worker"] == victim["id"]]
         assert takeovers, "nothing was taken over from the killed worker"
-        print("victim before the kill:", victim)
-        for t in takeovers:
-            print("takeover:", t)
         heir = {w["id"]: w for w in admin(server, "workers")}[takeovers[0]["to_worker"]]
-        print("heir:", heir)
         assert {t["route"] for t in takeovers} == {"ledger_first"}, takeovers
         assert heir["offload_fetched"] > 0, heir  # the tier's blocks came back, not recomputed
+        heir_name = f"worker{heir['id']}"
+        kept = [s for s in ledger.slots(tier) if s.slot in offloaded and s.hash == offloaded[s.slot]]
+        assert any(s.origin == heir_name for s in kept), "none of the dead worker's slots was adopted"
         # Most of what the requests had came back from the arena or the tier, not recomputed.
         adopted = sum(t["adopted_tokens"] for t in takeovers)
         recomputed = sum(t["recomputed_tokens"] for t in takeovers)
         assert recomputed < adopted / 2, takeovers
+        print("takeovers:", takeovers)
 
-        (address,) = server.pool_addresses()
-        reply = PoolClient(address, "inspector").attach(os.getpid())
-        ledger = open_ledger(reply.ledger_url)
-        arena = map_arena(reply)
-        tier = TierFile.attach(reply.tier, reply.tier_path, arena.spec)
-        assert check_node(ledger, arena, tier=tier) == []
-        dead = f"worker{victim['id']}"
+        assert check_node(ledger, arena, tier=tier_file) == []
         assert not [b for b in ledger.blocks() if b.owner == dead and b.state != BlockState.FREE]
         # Slots it was writing when it died are free again; those it had offloaded are the pool's
         # (adopted by the heir where a request needed them, else reusable by anyone).
-        assert not [s for s in ledger.slots(tier.kind) if s.owner == dead]
+        assert not [s for s in ledger.slots(tier) if s.owner == dead]
     finally:
         print(server.output()[-6000:])  # shown when the test fails
         server.stop()

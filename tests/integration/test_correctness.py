@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.worker.engine import Engine
 from tests.conftest import PROMPTS
 
 pytestmark = pytest.mark.integration
@@ -95,6 +96,18 @@ def test_preemption_and_recompute_match(fp32_config, fp32_model, make_engine, pr
     assert run(engine, prompt_ids) == reference
     assert preempted, "the test must actually preempt something"
     engine.blocks.check_integrity()
+
+
+def test_swap_preemption_matches(fp32_config, fp32_model, make_arena, make_tier_file, prompt_ids, reference):
+    """The arena as small as above, with a host offload tier: preempted requests are swapped out and
+    fetched back instead of recomputed, and every output is still the reference's."""
+    cfg = fp32_config.replace(cache={"num_blocks": 16, "enable_prefix_caching": False, "offload_tier": "host"})
+    arena = make_arena(cfg, fp32_model)
+    engine = Engine(cfg, fp32_model, arena, tier=make_tier_file("host", arena, 32))
+    assert run(engine, prompt_ids) == reference
+    assert engine.scheduler.swap_preemptions > 0 and engine.offload.fetched > 0
+    engine.blocks.check_integrity()
+    engine.offload.close()
 
 
 def test_prefix_cache_hit_gives_same_tokens(fp32_config, fp32_model, make_engine, prompt_ids, reference):

@@ -4,14 +4,8 @@ host (shared memory) and a disk tier; swap preemption keeps what recompute preem
 
 from __future__ import annotations
 
-import os
-import uuid
-from pathlib import Path
-
 import pytest
 
-from steadfast.kv.arena_file import make_tier, remove_tier, tier_spec
-from steadfast.kv.tier import TierFile
 from steadfast.protocol import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine
 from tests.conftest import PROMPTS
@@ -19,22 +13,6 @@ from tests.conftest import PROMPTS
 pytestmark = pytest.mark.unit
 
 GREEDY = SamplingParams(24, 0.0, ignore_eos=True)
-
-
-@pytest.fixture
-def make_tier_file(tmp_path):
-    made = []
-
-    def make(kind: str, arena, slots: int) -> TierFile:
-        folder = "/dev/shm" if kind == "host" else str(tmp_path)
-        path = str(Path(folder) / f"steadfast-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.tier")
-        make_tier(path, tier_spec(arena.spec, slots))
-        made.append(path)
-        return TierFile.attach(kind, path, arena.spec)
-
-    yield make
-    for path in made:
-        remove_tier(path)
 
 
 def tokens(results, rid):
