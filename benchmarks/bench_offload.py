@@ -178,6 +178,7 @@ def main() -> None:
     p.add_argument("--pressure-requests", type=int, default=12)
     p.add_argument("--pressure-context", type=int, default=160)
     p.add_argument("--pressure-tokens", type=int, default=96)
+    p.add_argument("--pressure-tier-blocks", type=int, default=0, help="the tier's size (0: the 25 %% share)")
     p.add_argument("--skip", nargs="*", default=[], choices=["sessions", "pressure"])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "offload.json"))
     args = p.parse_args()
@@ -190,8 +191,9 @@ def main() -> None:
                 if part in args.skip:
                     continue
                 blocks = args.blocks if part == "sessions" else args.pressure_blocks
+                tier_blocks = args.pressure_tier_blocks if part == "pressure" else 0
                 with tempfile.TemporaryDirectory(prefix="steadfast-bench-offload-") as tmp:
-                    server = ServerProcess(Path(tmp), server_yaml(blocks, mode))
+                    server = ServerProcess(Path(tmp), server_yaml(blocks, mode, tier_blocks))
                     try:
                         server.wait_ready()
                         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]

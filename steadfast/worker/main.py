@@ -341,6 +341,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
         engine = Engine(cfg, loaded, KVArena.create_device(spec, cfg.model.resolved_device))
     else:
         engine = Engine(cfg, loaded, KVArena.attach(args.arena))
+    if cfg.cache.offload_tier != "none" and engine.offload is None:
+        log.warning("cache.offload_tier %s needs the kvpool (external_ledger): no offload tier", cfg.cache.offload_tier)
     phases.mark("kv")
     stall(f"worker{args.worker_id}_start")  # a fault test's slow start (unarmed: one lookup)
     warm_up(engine, short=forked)
