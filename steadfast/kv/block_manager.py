@@ -14,10 +14,12 @@ import hashlib
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
+
+from steadfast.kv.block_tier import TierCopies
+from steadfast.kv.block_types import Block, BlockEvent
 
 ROOT_HASH = b"steadfast-kv-root"
 
@@ -25,21 +27,6 @@ ROOT_HASH = b"steadfast-kv-root"
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """Chained content name of a full block: depends on every token before it, not just its own."""
     return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None
-    tokens: tuple[int, ...] | None = None  # kept to check a hash hit token by token
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    kind: Literal["stored", "removed", "released"]  # released: given back to the pool
-    block_id: int
-    hash: bytes
 
 
 class BlockSource(Protocol):
@@ -50,7 +37,7 @@ class BlockSource(Protocol):
     def release(self, block_ids: list[int]) -> None: ...
 
 
-class BlockManager:
+class BlockManager(TierCopies):
     def __init__(
         self,
         num_blocks: int,
@@ -323,8 +310,15 @@ class BlockManager:
             last = self.blocks[prefix[-1]].hash
             assert last is not None, "a prefix block without a hash"
             self._hashed[request_id] = (len(prefix), last)
+        taken = self._take(max(0, new_count))
+        table.extend(taken)
+        return taken
+
+    def _take(self, count: int) -> list[int]:
+        """The next `count` free blocks, each now held once and unnamed (a cached one is evicted: noted
+        in `evicted` for the offload tier, announced `removed` for the ledger)."""
         taken = []
-        for _ in range(max(0, new_count)):
+        for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:
@@ -333,7 +327,6 @@ class BlockManager:
                     self.evicted.append((block_id, block.hash))
             self._forget_hash(block)
             block.ref_count = 1
-            table.append(block_id)
             taken.append(block_id)
         return taken
 
@@ -398,89 +391,6 @@ class BlockManager:
                 else:
                     self._free_cached += 1
         self._release_surplus()
-
-    # --- the offload tier's copies ---------------------------------------------------------------
-    def eviction_candidates(self, window: int, skip: Callable[[bytes], bool]) -> list[tuple[int, bytes]]:
-        """Cached free blocks whose content is about to leave this manager, with their names: those
-        among the next `window` blocks in line for reuse, and those beyond the cache cap (kept for the
-        tier by `keep`). `skip`: names not wanted (already in the tier)."""
-        stale = max(0, self._free_cached - self.cache_cap) if self.source is not None else 0
-        out = []
-        for position, block_id in enumerate(self._free):
-            if position >= window + stale:
-                break
-            h = self.blocks[block_id].hash
-            if h is not None and not skip(h):
-                out.append((block_id, h))
-        return out
-
-    def pin(self, block_ids: Sequence[int]) -> None:
-        """Hold blocks while their bytes are copied out: a free one leaves the free queue, keeping its name."""
-        for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self._free[block_id]
-                if block.hash is not None:
-                    self._free_cached -= 1
-            block.ref_count += 1
-            self._pins[block_id] = self._pins.get(block_id, 0) + 1
-
-    def unpin(self, block_ids: Sequence[int]) -> None:
-        """Let go of pinned blocks; one nobody else holds is free again, first in line (its content is
-        in the tier now), and the surplus goes back to the pool."""
-        for block_id in block_ids:
-            block = self.blocks[block_id]
-            left = self._pins[block_id] - 1
-            if left:
-                self._pins[block_id] = left
-            else:
-                del self._pins[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                self._free.move_to_end(block_id, last=False)
-                if block.hash is not None:
-                    self._free_cached += 1
-        self._release_surplus()
-
-    def take_free(self, count: int) -> list[int] | None:
-        """`count` free blocks, pinned and unnamed, for bytes coming back from the tier; None if short.
-        Cached ones among them are in `evicted`: the caller flushes it before it writes them."""
-        if not self._ensure_free(count):
-            return None
-        taken = []
-        for _ in range(count):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                self._free_cached -= 1
-                if self.on_evict is not None:
-                    self.evicted.append((block_id, block.hash))
-            self._forget_hash(block)
-            block.ref_count = 1
-            self._pins[block_id] = 1
-            taken.append(block_id)
-        return taken
-
-    def install(self, token_ids: Sequence[int], placed: Sequence[tuple[int, int]]) -> None:
-        """Blocks `take_free` gave, now holding the KV of full blocks of `token_ids` ((position, block)
-        each, brought back from the tier): they join the prefix cache, announced to be sealed, so the
-        request's admission finds them as a prefix hit. One whose name is cached meanwhile stays unnamed."""
-        names = self.chain(token_ids, max((pos for pos, _ in placed), default=-1) + 1)
-        for pos, block_id in placed:
-            block = self.blocks[block_id]
-            if names[pos] not in self._cached:
-                block.hash = names[pos]
-                block.tokens = tuple(token_ids[pos * self.block_size : (pos + 1) * self.block_size])
-                self._cached[block.hash] = block_id
-                self.events.append(BlockEvent("stored", block_id, block.hash))
-            self._pins.pop(block_id)
-            block.ref_count = 0
-            self._free[block_id] = None  # the most recently used end: its request is admitted next
-            if block.hash is not None:
-                self._free_cached += 1
-            else:
-                self._free.move_to_end(block_id, last=False)
 
     def _forget_hash(self, block: Block) -> None:
         if block.hash is not None:

@@ -8,27 +8,18 @@ import pytest
 
 from steadfast.kv.history import Op, RecordingLedger, check_history
 from steadfast.kv.ledger import BlockState, FencedError, LedgerError
+from tests.unit.test_ledger import Clock
 
 pytestmark = pytest.mark.unit
 
 TIER = "host"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def ledger(ledger_factory):
-    clock = Clock()
-    led = ledger_factory(clock=clock)
+    led = ledger_factory(clock=Clock())
     led.format(4)
     led.format_tier(TIER, 4)
-    led.clock_for_test = clock
     return led
 
 
