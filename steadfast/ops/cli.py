@@ -41,10 +41,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     launcher = Launcher(cfg)
 
     def stop_starting(signum: int, frame: object) -> None:
+        if launcher.router_started:  # clients may be streaming already: a stop in order, in `wait`
+            launcher.signals.append(signum)
+            return
         raise SystemExit(128 + signum)  # so `finally` cleans up (children, arena folder) mid-start too
 
     # Until `wait` installs its own handlers: a SIGTERM (or Ctrl-C) while starting must not skip the
-    # clean-up; once serving, it stops the server in order (`wait`, then `stop`) and the exit is 0.
+    # clean-up; once the router runs, it stops the server in order (`wait`, then `stop`), exit 0.
     signal.signal(signal.SIGTERM, stop_starting)
     signal.signal(signal.SIGINT, stop_starting)
     try:

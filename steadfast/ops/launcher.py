@@ -130,6 +130,10 @@ class Launcher:
     zygote: Zygote | None = None  # forks the workers (`model.fork_workers`)
     _next_reap: float = 0.0  # (a subreaper adopts every orphan below it: see reap_orphans)
     _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
+    # Once the router runs, a SIGTERM or SIGINT is a stop in order (its clients' streams drain), even one
+    # that comes before `wait`: kept here, acted on there.
+    router_started: bool = False
+    signals: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.run_dir == Path():
@@ -180,6 +184,7 @@ class Launcher:
             self._spawn_worker(worker_id, role, node)
         active = [i for i, (role, _) in enumerate(placed) if role != WorkerRole.STANDBY]
         self._spawn(self._router_spec(active, [i for i in range(len(placed)) if i not in active]))
+        self.router_started = True
         self._notices = zmq.Context.instance().socket(zmq.PUSH)  # supervisor → router: deaths, joins
         self._notices.setsockopt(zmq.LINGER, 0)
         self._notices.connect(output)
@@ -429,7 +434,7 @@ class Launcher:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.server.startup_timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.signals:  # told to stop: `wait` stops in order
             for c in self.children:
                 if c.proc.poll() is not None and c.spec.kind is not ChildKind.ZYGOTE:  # (workers exec'd then)
                     raise StartupError(f"{c.name} exited with code {c.proc.returncode} during start-up")
@@ -439,12 +444,13 @@ class Launcher:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise StartupError(f"not healthy within {self.cfg.server.startup_timeout_s:.0f}s")
+        if not self.signals:
+            raise StartupError(f"not healthy within {self.cfg.server.startup_timeout_s:.0f}s")
 
     def wait(self) -> int:
         """Supervise until told to stop (SIGTERM, SIGINT), then until the router has finished its
         requests (or had its time for it); return an exit code. `stop` stops the rest."""
-        signals: list[int] = []
+        signals = self.signals  # with any that came since the router started
 
         def on_signal(signum: int, frame: object) -> None:
             signals.append(signum)  # acted on by the loop below, within half a second

@@ -166,3 +166,21 @@ def test_the_launcher_stops_every_child_in_order_and_exits_0_without_an_error(st
     assert errors == []
     assert "killing it" not in stopped.output  # each child exited on its SIGTERM, in its time
     assert "clean release failed" not in stopped.output  # the workers' pool was still there when they left
+
+
+def test_a_sigterm_as_soon_as_the_router_answers_is_a_stop_in_order(tmp_path, small_model_path):
+    """The router answers /health before the launcher has finished starting (it polls the same route);
+    a SIGTERM in between, when clients may already stream, is a stop in order with exit code 0, not
+    an abort of the start."""
+    config = "model: {dtype: float32, device: cpu}\ncache: {kv_memory_mb: 64}\nserver: {standby_workers: 0}\n"
+    server = ServerProcess(tmp_path, config, model=small_model_path)
+    try:
+        deadline = time.monotonic() + 120
+        while health(server.url) != 200:
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.output()[-3000:]
+            time.sleep(0.005)
+        os.kill(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0, server.output()[-3000:]
+        assert "Traceback" not in server.output()
+    finally:
+        server.stop()
