@@ -255,21 +255,19 @@ class Engine:
         self._pending.append(out)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        request.status = Status.FINISHED
+        request.status = Status.FINISHED  # (before the ledger hears of it: its row says finished)
         request.finish_reason = reason
         if self.sync is not None:
             self.sync.finished(request)
         self.kv.ended(request)  # ended before its KV was committed elsewhere: the move is given up
+        self._let_go(request)
+
+    def _let_go(self, request: Request) -> None:
+        """A request that ends here (finished, or another worker continues it): nothing of it is kept."""
+        request.status = Status.FINISHED
         self.spec.forget(request.request_id)
         if self.offload is not None:
             self.offload.forget(request.request_id)
-        self.requests.pop(request.request_id, None)
-        self._detok.pop(request.request_id, None)
-
-    def _let_go(self, request: Request) -> None:
-        """A request another worker continues: it ends here without a finish of its own."""
-        request.status = Status.FINISHED
-        self.spec.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
 

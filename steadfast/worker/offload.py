@@ -254,15 +254,19 @@ class Offloader:
         held = self._write_now(named)
         if held:
             self.swapped += 1
-            self._release(request.request_id)
-            names = {n for _, n in named}
-            self._swapped[request.request_id] = names
-            for n in names:
-                self._kept[n] = self._kept.get(n, 0) + 1
+            self._keep(request.request_id, {n for _, n in named})
         return held
 
+    def _keep(self, request_id: str, names: set[bytes]) -> None:
+        """Keep these entries in the tier (never evicted for cached blocks) until the request's blocks
+        are back in the arena."""
+        self._release(request_id)
+        self._swapped[request_id] = names
+        for n in names:
+            self._kept[n] = self._kept.get(n, 0) + 1
+
     def _release(self, request_id: str) -> None:
-        """A swapped-out request runs again (or left): its blocks in the tier are ordinary entries again."""
+        """Its blocks in the tier are ordinary entries again (least recently used goes first)."""
         for n in self._swapped.pop(request_id, ()):
             left = self._kept[n] - 1
             if left:
@@ -297,7 +301,7 @@ class Offloader:
                 break
             found.append((pos + i, name, entry))
         if not found:
-            self._release(request.request_id)
+            self._release(request.request_id)  # all back in the arena: ordinary entries again
             return True
         fresh = self.blocks.take_free(len(found))
         if fresh is None:
@@ -315,9 +319,10 @@ class Offloader:
         self._jobs.put(job)
         return False
 
-    def adopt(self, names: Sequence[bytes], skip: set[int]) -> list[int]:
-        """A takeover: the dead worker's offloaded slots named by `names` (a request's leading full
-        blocks) become ours; `skip`: positions the arena covers. Returns the positions now in the index."""
+    def adopt(self, request_id: str, names: Sequence[bytes], skip: set[int]) -> list[int]:
+        """A takeover: the dead worker's offloaded slots named by `names` (the request's leading full
+        blocks) become ours, kept for it until it runs; `skip`: positions the arena covers. Returns the
+        positions now in the index."""
         if len(self.index) >= self.cap:
             return []
         records = {r.content: r for r in self.book.offloaded(names) if r.content and r.hash}
@@ -341,6 +346,7 @@ class Offloader:
             return []
         for slot, digest, name in take:
             self.index[name] = (slot, digest)
+        self._keep(request_id, {name for _, _, name in take})
         return positions[: len(take)]
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ def recover(
         blocks.adopt(ids, [(pos, b) for pos, b, _ in plan])
     adopted = [pos for pos, _, _ in plan]
     if offload is not None:  # what the arena lacks may be in the tier, offloaded by the dead worker
-        adopted += offload.adopt(names, have | set(adopted))
+        adopted += offload.adopt(request.request_id, names, have | set(adopted))
     if not adopted:
         return Route.REBUILD, 0
     return Route.LEDGER_FIRST, (max(adopted) + 1) * bs

@@ -81,7 +81,7 @@ def test_swap_preemption_keeps_the_kv_and_outputs_stay_exact(small_config, small
     preemptions = s.swap_preemptions + s.recompute_preemptions
     # What a swap leaves to recompute is the tail of the last, partial block.
     assert s.recomputed_tokens <= preemptions * small.cache.block_size
-    assert s.recomputed_tokens < plain.scheduler.recomputed_tokens / 3
+    assert s.recomputed_tokens < plain.scheduler.recomputed_tokens / 2
     assert engine.offload.fetched > 0
     engine.blocks.check_integrity()
     engine.offload.close()
