@@ -107,7 +107,8 @@ class Offloader:
         self._jobs: queue.SimpleQueue[_Write | _Fetch | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[_Write | _Fetch] = queue.SimpleQueue()
         self.written = self.fetched = self.fetch_failed = self.swapped = 0
-        # A swapped-out request's names: kept in the tier (never evicted for cached blocks) until it runs again.
+        # A swapped-out (or taken-over) request's names: kept in the tier, never evicted for cached blocks,
+        # until its blocks are back in the arena.
         self._swapped: dict[str, set[bytes]] = {}
         self._kept: dict[bytes, int] = {}  # name -> how many swapped requests hold it
         self.written_inline = 0  # of `written`: copied on the engine's thread (evicted before written ahead)
