@@ -106,12 +106,11 @@ class Offloader:
         self._fetching: dict[str, _Fetch] = {}
         self._jobs: queue.SimpleQueue[_Write | _Fetch | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[_Write | _Fetch] = queue.SimpleQueue()
-        self.written = self.fetched = self.fetch_failed = self.swapped = 0
+        self.written = self.fetched = 0
         # A swapped-out (or taken-over) request's names: kept in the tier, never evicted for cached blocks,
         # until its blocks are back in the arena.
         self._swapped: dict[str, set[bytes]] = {}
         self._kept: dict[bytes, int] = {}  # name -> how many swapped requests hold it
-        self.written_inline = 0  # of `written`: copied on the engine's thread (evicted before written ahead)
         blocks.on_evict = self._write_now
         self._thread = threading.Thread(target=self._run, name="kv-offload", daemon=True)
         self._thread.start()
@@ -182,7 +181,6 @@ class Offloader:
                 failed.append(block)
                 self._drop(name)
         self.fetched += len(placed)
-        self.fetch_failed += len(failed)
         if failed:
             log.error("%d offloaded blocks failed their hash check; their KV is recomputed", len(failed))
             self.blocks.unpin(failed)
@@ -244,7 +242,6 @@ class Offloader:
             if slots:
                 digests = self.tier.write(self.arena, [(b, s) for (b, _), s in zip(todo, slots, strict=True)])
                 self._record(slots, digests, [n for _, n in todo])
-                self.written_inline += len(slots)
         return sum(1 for _, n in named if n in self.index or n in writing)
 
     def swap_out(self, request: Request) -> int:
@@ -254,7 +251,6 @@ class Offloader:
         named = [(b, h) for b in table if (h := self.blocks.blocks[b].hash) is not None]
         held = self._write_now(named)
         if held:
-            self.swapped += 1
             self._keep(request.request_id, {n for _, n in named})
         return held
 
