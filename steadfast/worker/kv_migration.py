@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
-from steadfast.kv.moves.packing import layer_span, layer_spans, slots_for
+from steadfast.kv.moves.packing import layer_spans, slots_for
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.sender_jobs import TransferOutcome, TransferResult
 from steadfast.kv.moves.transport import path_names
@@ -167,9 +167,8 @@ class OutgoingMigrations:
 
     def _stream(self, m: Migrating, start: int, count: int) -> None:
         slots = slots_for(self.blocks.block_table(m.request.request_id), self.bs, start, count)
-        # Layer by layer (round 1 of a long context is ~100 MB: not gathered twice over at once), handed
-        # over in one job.
-        data = [layer_span(self.arena, layer, slots) for layer in range(self.arena.spec.num_layers)]
+        # One gather of every layer (a chunk is at most CHUNK_BLOCKS blocks), handed over in one job.
+        data = layer_spans(self.arena, slots)
         self.sender.layers(m.msg.move, start, count, data, stream=True, commit=False)
 
     def ended(self, request: Request) -> None:

@@ -97,7 +97,7 @@ class FaultyPath:
             if f.corrupt_every and self.sent % f.corrupt_every == 0:
                 flipped = bytearray(frame.data)
                 flipped[len(flipped) // 2] ^= 0xFF
-                frame = msgspec.structs.replace(frame, data=bytes(flipped))
+                frame = msgspec.structs.replace(frame, data=memoryview(flipped))
         return self.inner.send_frame(frame)
 
     def send(self, msg: ToDestination) -> None:

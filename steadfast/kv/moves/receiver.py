@@ -224,16 +224,18 @@ class KVReceiver:
             for sock, _ in poller.poll(100):
                 for _ in range(256):  # what is waiting, a bounded batch per socket
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        # copy=False: a frame's K/V is decoded as a view into the message (written to
+                        # the arena once, never copied on the way).
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._receive(sock, frames)
+                    self._receive(sock, [f.buffer for f in frames])
             self._release_held()
             # Only with every socket read: a source whose messages wait unread is not a quiet one.
             if not any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in self.socks):
                 self._expire()
 
-    def _receive(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    def _receive(self, sock: zmq.Socket, frames: list[memoryview]) -> None:
         """One message off the wire; whatever is wrong with it is logged and dropped here."""
         try:
             msg = decode_to_destination(frames[1]) if len(frames) == 2 else None
@@ -247,7 +249,7 @@ class KVReceiver:
             self._drop(why, msg.session, f"a {type(msg).__name__} no session may have")
             return
         try:
-            self._handle(sock, frames[0], msg)
+            self._handle(sock, bytes(frames[0]), msg)
         except MoveProtocolError as exc:  # the source contradicted its session: refused, nothing else
             self._drop(Drop.PROTOCOL, msg.session, str(exc))
         except Exception:  # a bug: loud, but one bad message must not stop the receiver

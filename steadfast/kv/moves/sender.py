@@ -152,12 +152,14 @@ class KVSender:
         unanswered = out.probed > out.landed and time.monotonic() - out.probe_at > self.timeout_s
         return out.landed >= parts or bool(out.problem) or unanswered
 
-    def layer(self, request_id: str, layer: int, start: int, count: int, data: bytes, stream: bool) -> None:
+    def layer(self, request_id: str, layer: int, start: int, count: int, data: memoryview, stream: bool) -> None:
         """One layer's K/V of `count` tokens from `start`; `stream`: send it now (layer-wise), else
         keep it for the commit (send-after-prefill)."""
         self._jobs.put(Layer(request_id, layer, start, count, data, stream))
 
-    def layers(self, request_id: str, start: int, count: int, data: list[bytes], stream: bool, commit: bool) -> None:
+    def layers(
+        self, request_id: str, start: int, count: int, data: list[memoryview], stream: bool, commit: bool
+    ) -> None:
         """`layer` for every layer at once (`data[i]`: layer i's), then `commit` if asked: one hand-over."""
         jobs: list[Layer | CommitJob] = [Layer(request_id, i, start, count, d, stream) for i, d in enumerate(data)]
         self._jobs.put(Batch((*jobs, CommitJob(request_id)) if commit else tuple(jobs)))

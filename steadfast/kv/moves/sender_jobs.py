@@ -49,7 +49,7 @@ class Layer:
     layer: int
     start: int
     count: int
-    data: bytes
+    data: memoryview  # a view of the engine's copy (`kv/moves/packing.py`), never of the arena itself
     stream: bool
 
 

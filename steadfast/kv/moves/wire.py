@@ -40,7 +40,9 @@ class KVFrame(msgspec.Struct, frozen=True, tag=True, array_like=True):
     start: int  # first token position
     count: int
     checksum: int  # xxh3-64 of data
-    data: bytes  # [2 (K, V), kv_heads, count, head_dim] in the arena dtype
+    # [2 (K, V), kv_heads, count, head_dim] in the arena dtype. A memoryview: a sender hands over a view of
+    # its gathered array, and a decoded frame's is a view into the received message (no copy either way).
+    data: memoryview
 
 
 class AskDecision(msgspec.Struct, frozen=True, tag=True, array_like=True):
