@@ -22,6 +22,7 @@ from steadfast.kv.moves.curve import CurveKeys, TransferSide, write_deployment_k
 from steadfast.kv.moves.messages import Abort, AbortReason, Commit, CommitAck, Copy, MoveOutcome, Prealloc, Reserved
 from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
+from steadfast.kv.moves.seal import Opener, Sealer, SealError, new_key
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.transport import PathDownError, ZmqPath
 from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, encode
@@ -349,3 +350,94 @@ def test_another_connection_cannot_write_a_session_nor_a_second_move_replace_a_c
     assert claimed == list(blocks) and held(rx.arena, claimed) == held(source_arena, blocks)
     src.sock.close()
     intruder.sock.close()
+
+
+# --- 7. the sealed data channel ------------------------------------------------------------------------
+def curve_pair(tmp_path) -> tuple[CurveKeys, CurveKeys]:
+    paths = write_deployment_keys(tmp_path)
+    return CurveKeys.load(paths[TransferSide.RECEIVE]), CurveKeys.load(paths[TransferSide.SEND])
+
+
+def test_a_curve_transfer_moves_its_bytes_sealed_on_the_data_channel(tmp_path, make_rx, source_arena):
+    server, client = curve_pair(tmp_path)
+    rx, pool = make_rx(keys=server)
+    assert len(rx.data_socks) == 1
+    tx = KVSender(SPEC.num_layers, 1.0, 2, 0.01, block_size=SPEC.block_size, keys=client)
+    try:
+        transfer(tx, rx.addresses[0], source_arena)
+        result = wait_result(tx)
+        assert result.ok
+        assert held(rx.arena, result.block_ids) == held(source_arena, [5, 9, 2])
+        # Every frame, the manifest, the COMMIT and the decision's question went sealed.
+        assert tx._paths[("primary", rx.addresses[0])].sealed_sent >= 2 * SPEC.num_layers + 3
+    finally:
+        tx.close()
+    plain_rx, _ = make_rx()  # no CURVE: no data channel, every message on the one connection
+    assert plain_rx.data_socks == []
+
+
+def test_the_data_channel_takes_only_what_opens_under_the_sessions_key_once(tmp_path, make_rx, source_arena):
+    server, client = curve_pair(tmp_path)
+    rx, pool = make_rx(keys=server)
+    src = Source(rx.addresses[0], keys=client)
+    key = new_key()
+    src.send(Prealloc("d/0", 3, seal_key=key))
+    reserved = src.answer()
+    assert isinstance(reserved, Reserved) and reserved.data_port > 0
+    src.send(Prealloc("k/0", 3))  # a session without a key: no channel for it
+    assert src.answer().data_port == 0
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{reserved.data_port}")
+    sealer = Sealer(key, "d/0")
+
+    def sealed(msg, by: Sealer = sealer, session: str = "d/0") -> list[bytes]:
+        return [session.encode(), *by.seal(encode(msg))]
+
+    parts = frames("d/0", source_arena, [5, 9, 2])
+    try:
+        push.send_multipart(sealed(parts[0], Sealer(new_key(), "d/0")))  # another key
+        push.send_multipart(sealed(parts[0], Sealer(key, "k/0"), "k/0"))  # a session with no channel
+        push.send_multipart(sealed(parts[0], Sealer(key, "x/0"), "x/0"))  # no such session
+        push.send_multipart([b"d/0", b"junk"])
+        first = sealed(parts[0])
+        push.send_multipart(first)
+        push.send_multipart(first)  # the same message again: replayed
+        deadline = time.monotonic() + 5
+        while rx.dropped[Drop.UNSEALED] < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx.dropped[Drop.UNSEALED] == 5
+        for f in parts[1:]:
+            push.send_multipart(sealed(f))
+        push.send_multipart(sealed(Copy("d/0", 0, (0, 1, 2), True, parts=len(parts))))
+        push.send_multipart(sealed(Commit("d/0", 0, 1)))
+        assert src.answer() == CommitAck("d/0", 0)  # answers come on the CURVE connection
+        push.send_multipart(sealed(AskDecision("d/0", MoveOutcome.COMMITTED)))
+        assert src.answer() == Decision("d/0", MoveOutcome.COMMITTED)
+        assert held(rx.arena, rx.claim("d")) == held(source_arena, [5, 9, 2])
+        assert rx.dropped[Drop.UNSEALED] == 5 and rx.dropped[Drop.CHECKSUM] == 0
+    finally:
+        push.close()
+        src.sock.close()
+
+
+def test_a_sealed_message_opens_once_and_only_under_its_key_and_session():
+    key = new_key()
+    sealer, opener = Sealer(key, "a/0"), Opener(key, "a/0")
+    n1, c1 = sealer.seal(b"one")
+    n2, c2 = sealer.seal(b"two")
+    with pytest.raises(SealError):
+        Opener(key, "b/0").open(n1, c1)  # the session's name is part of what is sealed
+    with pytest.raises(SealError):
+        Opener(new_key(), "a/0").open(n1, c1)
+    tampered = bytearray(c2)
+    tampered[0] ^= 1
+    with pytest.raises(SealError):
+        opener.open(n2, bytes(tampered))
+    assert opener.open(n2, c2) == b"two"
+    with pytest.raises(SealError):
+        opener.open(n1, c1)  # older than one already opened
+    with pytest.raises(SealError):
+        opener.open(n2, c2)  # the same again
+    with pytest.raises(ValueError):
+        Sealer(b"short", "a/0")

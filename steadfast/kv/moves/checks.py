@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from steadfast.config import TransferConfig
 from steadfast.kv.moves.messages import Commit, Copy, Prealloc
+from steadfast.kv.moves.seal import KEY_BYTES
 from steadfast.kv.moves.wire import MAX_MESSAGE_BYTES, KVFrame, Probe, ToDestination
 from steadfast.kv.spec import ArenaSpec
 
@@ -35,6 +36,7 @@ class Drop(enum.StrEnum):
     SIZE = "size"  # data that is not `count` tokens of one layer
     PART = "part"  # a part index beyond the parts the stage announced
     CHECKSUM = "checksum"  # corrupt on the way: the ack names it, the source resends
+    UNSEALED = "unsealed"  # on the data channel, and does not open under a live session's key (or replayed)
     PROTOCOL = "protocol"  # contradicts its session (the state machine refused it)
     INCOMPLETE = "incomplete"  # every part came, yet some layer lacks tokens: the session is aborted
 
@@ -65,8 +67,8 @@ def message_problem(msg: ToDestination) -> Drop | None:
     """A field outside what any session may have: such a message never reaches the state machine (a COMMIT
     naming 10^12 stages would have it count them). More blocks than the arena has is no room, not this."""
     match msg:
-        case Prealloc(n_blocks=n):
-            return None if n > 0 else Drop.OUT_OF_RANGE
+        case Prealloc(n_blocks=n, seal_key=key):
+            return None if n > 0 and len(key) in (0, KEY_BYTES) else Drop.OUT_OF_RANGE
         case Copy(stage=stage, parts=parts):
             return None if 0 <= stage < MAX_STAGES and 0 <= parts <= MAX_PARTS else Drop.OUT_OF_RANGE
         case Commit(stages=stages):

@@ -69,10 +69,15 @@ class _Message(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 class Prealloc(_Message, frozen=True):
     n_blocks: int
+    # The session's data-channel key (`kv/moves/seal.py`), set by a CURVE transport; empty: no channel.
+    seal_key: bytes = b""
 
 
 class Reserved(_Message, frozen=True):
     block_ids: tuple[int, ...]
+    # The port, on this connection's host, where the session's later messages go sealed (set by a
+    # receiver that got a key); 0: they come here.
+    data_port: int = 0
 
 
 class Copy(_Message, frozen=True):

@@ -54,9 +54,11 @@ from steadfast.kv.moves.messages import (
     Prealloc,
     Release,
     Reserve,
+    Reserved,
     Send,
 )
 from steadfast.kv.moves.packing import slots_for, write_span
+from steadfast.kv.moves.seal import Opener, SealError
 from steadfast.kv.moves.session import DestinationSession
 from steadfast.kv.moves.transport import path_names
 from steadfast.kv.moves.wire import (
@@ -72,6 +74,7 @@ from steadfast.kv.moves.wire import (
 
 log = logging.getLogger(__name__)
 
+DATA_RCVHWM = 16  # messages a data channel buffers unread (each at most one layer of the arena)
 CLAIM_TIMEOUT_S = 30.0  # a committed move nobody claimed this long is given back to the pool
 QUIET_FLOOR_S = 2.0  # a source is taken to be gone only after this long without a word, at least
 TOMBSTONE_S = 60.0  # an ended session is remembered this long: a late PREALLOC never reserves again
@@ -103,6 +106,8 @@ class _Incoming:
     acks_dropped: int = 0
     held_until: float = 0.0  # a held stage: its messages wait in `held` until then
     held: list[ToDestination] = field(default_factory=list)
+    opener: Opener | None = None  # its sealed data channel (`kv/moves/seal.py`), when the source asked
+    data_port: int = 0  # that channel's socket, beside `sock`
 
 
 class KVReceiver:
@@ -164,6 +169,17 @@ class KVReceiver:
                 sock.bind(address)
             self.socks.append(sock)
             self.addresses.append(address)
+        # With CURVE, a plain socket beside each: sessions whose source sent a key move their bytes there
+        # sealed (`kv/moves/seal.py`), without CURVE's cost. Anyone may connect; nothing unsealed is read.
+        self.data_socks: list[zmq.Socket] = []
+        self._data_port: dict[zmq.Socket, int] = {}
+        for sock, address in zip(self.socks, self.addresses, strict=True) if keys is not None else ():
+            data = self.ctx.socket(zmq.PULL)
+            data.setsockopt(zmq.LINGER, 0)
+            data.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(arena.spec))
+            data.setsockopt(zmq.RCVHWM, DATA_RCVHWM)  # what an unauthenticated peer can make us buffer
+            self._data_port[sock] = data.bind_to_random_port(address.rsplit(":", 1)[0])
+            self.data_socks.append(data)
         self._lock = threading.Lock()
         self._sessions: dict[str, _Incoming] = {}
         self._latest: dict[str, str] = {}  # request -> its newest session
@@ -202,7 +218,7 @@ class KVReceiver:
         """Stop; blocks reserved or committed and not claimed go back to the pool."""
         self._stop = True
         self._thread.join(timeout=5)
-        for sock in self.socks:
+        for sock in self.socks + self.data_socks:
             sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
@@ -218,7 +234,7 @@ class KVReceiver:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        for sock in self.socks:
+        for sock in self.socks + self.data_socks:
             poller.register(sock, zmq.POLLIN)
         while not self._stop:
             for sock, _ in poller.poll(100):
@@ -229,7 +245,10 @@ class KVReceiver:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._receive(sock, [f.buffer for f in frames])
+                    if sock in self.data_socks:
+                        self._receive_sealed([f.buffer for f in frames])
+                    else:
+                        self._receive(sock, [f.buffer for f in frames])
             self._release_held()
             # Only with every socket read: a source whose messages wait unread is not a quiet one.
             if not any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in self.socks):
@@ -254,6 +273,40 @@ class KVReceiver:
             self._drop(Drop.PROTOCOL, msg.session, str(exc))
         except Exception:  # a bug: loud, but one bad message must not stop the receiver
             log.exception("KV move %s: handling a %s failed", msg.session, type(msg).__name__)
+
+    def _receive_sealed(self, frames: list[memoryview]) -> None:
+        """One message off a data channel: [session, nonce, sealed message]. It counts only if it opens
+        under that session's key after the last one opened; then it is the session's own, as if its
+        connection had sent it."""
+        if len(frames) != 3:
+            self._drop(Drop.UNSEALED, "?", f"{len(frames)} frame(s) on the data channel")
+            return
+        session = bytes(frames[0]).decode("utf-8", "replace")
+        with self._lock:
+            inc = self._sessions.get(session)
+            opener = inc.opener if inc is not None else None
+            if inc is None or opener is None:
+                self._drop(Drop.UNSEALED, session, "no session here has a data channel by that name")
+                return
+            try:
+                msg = decode_to_destination(opener.open(frames[1], frames[2]))
+            except SealError as exc:
+                self._drop(Drop.UNSEALED, session, str(exc))
+                return
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                msg = None
+        if msg is None or msg.session != session:
+            self._drop(Drop.UNDECODABLE, session, "sealed by the session's source, yet not its message")
+            return
+        if (why := message_problem(msg)) is not None:
+            self._drop(why, session, f"a {type(msg).__name__} no session may have")
+            return
+        try:
+            self._handle(inc.sock, inc.peer, msg)
+        except MoveProtocolError as exc:
+            self._drop(Drop.PROTOCOL, session, str(exc))
+        except Exception:  # a bug: loud, but one bad message must not stop the receiver
+            log.exception("KV move %s: handling a sealed %s failed", session, type(msg).__name__)
 
     def _release_held(self) -> None:
         """A drill's held stages whose time is up are handled now, in the order they came."""
@@ -365,6 +418,8 @@ class KVReceiver:
             return self._refuse(sock, peer, msg, AbortReason.NO_ROOM)
         inc = self._sessions[msg.session] = _Incoming(DestinationSession(msg.session, self.quiet_s), rid, sock, peer)
         self._latest[rid] = msg.session
+        if msg.seal_key and sock in self._data_port:
+            inc.opener, inc.data_port = Opener(msg.seal_key, msg.session), self._data_port[sock]
         faults = self.fault_source() if self.fault_source is not None else None
         if faults is not None and faults.applies_to(path_names(len(self.socks))[self.socks.index(sock)]):
             inc.faults = faults
@@ -442,6 +497,9 @@ class KVReceiver:
                 case Send(message=CommitAck(missing=())) if inc.faults and inc.acks_dropped < inc.faults.drop_acks:
                     inc.acks_dropped += 1
                     log.warning("KV move %s: fault drill: its COMMIT ack is dropped", inc.session.session)
+                case Send(message=Reserved() as m) if inc.data_port:
+                    m = msgspec.structs.replace(m, data_port=inc.data_port)  # the session's data channel
+                    inc.sock.send_multipart([inc.peer, encode(m)])
                 case Send(message=m):
                     inc.sock.send_multipart([inc.peer, encode(m)])
                 case Reserve(n_blocks=n):  # (within the limits: `_open` refused the rest)
