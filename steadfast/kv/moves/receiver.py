@@ -251,7 +251,7 @@ class KVReceiver:
                         self._receive(sock, [f.buffer for f in frames])
             self._release_held()
             # Only with every socket read: a source whose messages wait unread is not a quiet one.
-            if not any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in self.socks):
+            if not any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in self.socks + self.data_socks):
                 self._expire()
 
     def _receive(self, sock: zmq.Socket, frames: list[memoryview]) -> None:
@@ -284,17 +284,17 @@ class KVReceiver:
         session = bytes(frames[0]).decode("utf-8", "replace")
         with self._lock:
             inc = self._sessions.get(session)
-            opener = inc.opener if inc is not None else None
-            if inc is None or opener is None:
-                self._drop(Drop.UNSEALED, session, "no session here has a data channel by that name")
-                return
-            try:
-                msg = decode_to_destination(opener.open(frames[1], frames[2]))
-            except SealError as exc:
-                self._drop(Drop.UNSEALED, session, str(exc))
-                return
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                msg = None
+        # (Opened outside the lock: only this thread uses an opener or removes a session.)
+        if inc is None or inc.opener is None:
+            self._drop(Drop.UNSEALED, session, "no session here has a data channel by that name")
+            return
+        try:
+            msg = decode_to_destination(inc.opener.open(frames[1], frames[2]))
+        except SealError as exc:
+            self._drop(Drop.UNSEALED, session, str(exc))
+            return
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            msg = None
         if msg is None or msg.session != session:
             self._drop(Drop.UNDECODABLE, session, "sealed by the session's source, yet not its message")
             return
