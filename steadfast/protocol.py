@@ -204,6 +204,10 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     swap_preemptions: int = 0
     recompute_preemptions: int = 0
     recomputed_tokens: int = 0
+    # The KV wire's receiver since the worker started: messages dropped by why (`kv/moves/checks.Drop`:
+    # junk, out of its session, unsealed on the data channel...) and moves refused by why (busy, no_room).
+    kv_wire_dropped: dict[str, int] = {}
+    kv_wire_refused: dict[str, int] = {}
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):

@@ -148,6 +148,10 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 m.preemptions.labels(label, "swap").set(s.swap_preemptions)
                 m.preemptions.labels(label, "recompute").set(s.recompute_preemptions)
                 m.recomputed_tokens.labels(label).set(s.recomputed_tokens)
+                for reason, n in s.kv_wire_dropped.items():
+                    m.wire_dropped.labels(label, reason).set(n)
+                for reason, n in s.kv_wire_refused.items():
+                    m.wire_refused.labels(label, reason).set(n)
         m.migration_mismatches.set(ctx.client.migrations.mismatches)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -182,6 +186,8 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "swap_preemptions": s.swap_preemptions if s else 0,
                     "recompute_preemptions": s.recompute_preemptions if s else 0,
                     "recomputed_tokens": s.recomputed_tokens if s else 0,
+                    "kv_wire_dropped": s.kv_wire_dropped if s else {},
+                    "kv_wire_refused": s.kv_wire_refused if s else {},
                 }
             )
         return rows

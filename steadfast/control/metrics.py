@@ -85,6 +85,18 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self.wire_dropped = Gauge(
+            "steadfast_kv_wire_dropped",
+            "Messages the worker's KV receiver dropped since it started, by why (junk, out of session, unsealed...)",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.wire_refused = Gauge(
+            "steadfast_kv_wire_refused",
+            "KV moves the worker's receiver refused since it started, by why (busy, no_room...)",
+            ["worker", "reason"],
+            registry=r,
+        )
         self.worker_up = Gauge("steadfast_worker_up", "1 if the worker is ready", ["worker"], registry=r)
         self.kv_transfers = Counter(
             "steadfast_kv_transfers", "KV handoffs between workers", ["path", "outcome"], registry=r

@@ -98,6 +98,7 @@ class WorkerLoop:
             spec_accepted=e.spec.accepted,
             tokens_per_step=e.spec.tokens_per_step,
             **offload_status(e),
+            **wire_status(e),
         )
 
     def _report(self, force: bool = False) -> None:
@@ -179,6 +180,14 @@ class WorkerLoop:
                 why = f"engine error: {exc}"
                 failed.append(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=why))
             return failed
+
+
+def wire_status(e: Engine) -> dict[str, dict[str, int]]:
+    """The status report's counts of what the KV wire's receiver dropped and refused."""
+    if e.kv.receiver is None:
+        return {}
+    dropped, refused = e.kv.receiver.counts()
+    return {"kv_wire_dropped": dropped, "kv_wire_refused": refused}
 
 
 def offload_status(e: Engine) -> dict[str, int]:

@@ -11,6 +11,7 @@ import os
 import stat
 import time
 
+import msgspec
 import pytest
 import xxhash
 import zmq
@@ -28,7 +29,7 @@ from steadfast.kv.moves.transport import PathDownError, ZmqPath
 from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, encode
 from steadfast.ops.children import ChildKind, ChildSpec, OnExit
 from steadfast.ops.launcher import Launcher, PoolNode
-from steadfast.protocol import WorkerRole
+from steadfast.protocol import WorkerRole, WorkerState, WorkerStatus
 from steadfast.worker.main import _other_nodes, transfer_side
 from tests.unit.fake_pool import FakePool
 from tests.unit.test_move_receiver import SPEC, Source
@@ -323,7 +324,7 @@ def test_incoming_moves_and_their_blocks_are_capped_without_reserving(make_rx):
     assert rx.reserved_blocks == 2 and len(pool.free) == SPEC.num_blocks - 2
     assert sum(call == "grant" for call, _ in pool.calls) == 2  # neither refusal asked the pool
     reserve(src, "c/1", 3)  # within both: reserved
-    assert rx.refused == {AbortReason.BUSY: 1, AbortReason.NO_ROOM: 1}
+    assert rx.counts()[1] == {"busy": 1, "no_room": 1}
 
 
 # --- 6. nobody overwrites a move's blocks ---------------------------------------------------------------
@@ -416,6 +417,11 @@ def test_the_data_channel_takes_only_what_opens_under_the_sessions_key_once(tmp_
         assert src.answer() == Decision("d/0", MoveOutcome.COMMITTED)
         assert held(rx.arena, rx.claim("d")) == held(source_arena, [5, 9, 2])
         assert rx.dropped[Drop.UNSEALED] == 5 and rx.dropped[Drop.CHECKSUM] == 0
+        # What the worker's status report (and so /metrics, `steadfast_kv_wire_dropped`) carries.
+        dropped, refused = rx.counts()
+        assert dropped == {"unsealed": 5} and refused == {}
+        status = WorkerStatus(1, 1, WorkerRole.DECODE, WorkerState.READY, kv_wire_dropped=dropped)
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(status), type=WorkerStatus).kv_wire_dropped == dropped
     finally:
         push.close()
         src.sock.close()

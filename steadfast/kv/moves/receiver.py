@@ -186,11 +186,19 @@ class KVReceiver:
         self._claims: dict[str, tuple[list[int], float]] = {}  # request -> committed blocks, since when
         self._stop = False
         self.received_bytes = 0
-        self.dropped: Counter[Drop] = Counter()  # messages dropped, by why (logged rate-limited)
-        self.refused: Counter[AbortReason] = Counter()  # PREALLOCs answered ABORT without reserving
+        # Every key present from the start: another thread may copy these while this one counts.
+        self.dropped: Counter[Drop] = Counter(dict.fromkeys(Drop, 0))  # messages dropped, by why (logged)
+        self.refused: Counter[AbortReason] = Counter(dict.fromkeys(AbortReason, 0))  # PREALLOCs answered ABORT
         self._log = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
         self._thread.start()
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(dropped, refused) by reason, the nonzero ones: for the worker's status report."""
+        return (
+            {str(k): v for k, v in list(self.dropped.items()) if v},
+            {str(k): v for k, v in list(self.refused.items()) if v},
+        )
 
     @property
     def corrupt_chunks(self) -> int:
