@@ -132,7 +132,11 @@ def single_part(
             dest = destination(admin, source, cross=mode == "kv-cross")
             wait_until(lambda s=s: len(s.arrivals) >= args.at_token or s.error, 300)
             t0 = time.perf_counter()
-            record = migrate(admin, s.request_id, dest, MODES[mode][1])
+            try:
+                record = migrate(admin, s.request_id, dest, MODES[mode][1])
+            except RuntimeError as exc:  # say what the stream itself saw, too
+                s.join(5)
+                raise RuntimeError(f"{exc}; the stream: {len(s.arrivals)} tokens, error {s.error!r}") from exc
             t1 = time.perf_counter()
             s.join(600)
             if s.error or len(s.arrivals) != args.max_tokens:
