@@ -271,12 +271,17 @@ class KVReceiver:
         if msg is None:
             self._drop(Drop.UNDECODABLE, "?", f"{len(frames)} frame(s), not a source's message")
             return
+        self._dispatch(sock, bytes(frames[0]), msg)
+
+    def _dispatch(self, sock: zmq.Socket, peer: bytes, msg: ToDestination) -> None:
+        """A decoded message, as from `peer` on `sock`: checked against what any session may hold, then
+        handled; whatever is wrong with it is logged and dropped here."""
         why = message_problem(msg)
         if why is not None:
             self._drop(why, msg.session, f"a {type(msg).__name__} no session may have")
             return
         try:
-            self._handle(sock, bytes(frames[0]), msg)
+            self._handle(sock, peer, msg)
         except MoveProtocolError as exc:  # the source contradicted its session: refused, nothing else
             self._drop(Drop.PROTOCOL, msg.session, str(exc))
         except Exception:  # a bug: loud, but one bad message must not stop the receiver
@@ -306,15 +311,7 @@ class KVReceiver:
         if msg is None or msg.session != session:
             self._drop(Drop.UNDECODABLE, session, "sealed by the session's source, yet not its message")
             return
-        if (why := message_problem(msg)) is not None:
-            self._drop(why, session, f"a {type(msg).__name__} no session may have")
-            return
-        try:
-            self._handle(inc.sock, inc.peer, msg)
-        except MoveProtocolError as exc:
-            self._drop(Drop.PROTOCOL, session, str(exc))
-        except Exception:  # a bug: loud, but one bad message must not stop the receiver
-            log.exception("KV move %s: handling a sealed %s failed", session, type(msg).__name__)
+        self._dispatch(inc.sock, inc.peer, msg)
 
     def _release_held(self) -> None:
         """A drill's held stages whose time is up are handled now, in the order they came."""

@@ -4,7 +4,7 @@ CURVE (libsodium's XSalsa20-Poly1305 inside libzmq) costs ~1.2 ms of CPU per MB 
 about half of a cross-node migration's CPU, taken from the forward passes of the workers on both ends.
 With CURVE on, the source therefore draws a fresh 256-bit key per session and sends it inside its PREALLOC,
 on the CURVE connection (so only the deployment's receiver learns it, and the source knows whom it told);
-the receiver answers RESERVED with the address of a plain TCP socket beside its CURVE one, and the
+the receiver answers RESERVED with the port of a plain TCP socket beside its CURVE one, and the
 session's later messages go there sealed with that key (AES-GCM through OpenSSL: ~6-9 GB/s per core
 here). Answers stay on the CURVE connection.
 
@@ -36,14 +36,17 @@ def new_key() -> bytes:
     return os.urandom(KEY_BYTES)
 
 
-class Sealer:
-    """The source's side of one session's channel."""
-
+class _Channel:
     def __init__(self, key: bytes, session: str) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a session key is {KEY_BYTES} bytes, not {len(key)}")
         self._aead, self._aad = AESGCM(key), session.encode()
-        self._counter = 0
+
+
+class Sealer(_Channel):
+    """The source's side of one session's channel."""
+
+    _counter = 0  # the last message's
 
     def seal(self, plaintext: bytes | memoryview) -> tuple[bytes, bytes]:
         """(nonce, ciphertext with its tag) of the session's next message."""
@@ -52,14 +55,10 @@ class Sealer:
         return nonce, self._aead.encrypt(nonce, plaintext, self._aad)
 
 
-class Opener:
+class Opener(_Channel):
     """The destination's side of one session's channel."""
 
-    def __init__(self, key: bytes, session: str) -> None:
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"a session key is {KEY_BYTES} bytes, not {len(key)}")
-        self._aead, self._aad = AESGCM(key), session.encode()
-        self._last = 0  # the highest counter opened
+    _last = 0  # the highest counter opened
 
     def open(self, nonce: bytes | memoryview, ciphertext: bytes | memoryview) -> bytes:
         """The plaintext of a message sealed for this session after the last one opened; else SealError."""
