@@ -143,6 +143,10 @@ class CacheConfig:
     arena_dir: str = "/dev/shm"
     # Blocks a worker asks the kvpool for at a time: larger batches, fewer round trips.
     pool_grant_batch: int = 64
+    # The kvpool's arena takes memory as it is used: the blocks handed out so far and this much ahead of
+    # them are made (reserved and mapped), the rest when grants reach them, so an idle server holds little
+    # of its arena and no step waits for memory. 0: the whole arena reserved and made at start.
+    kv_ahead_mb: int = 128
     # A slower, larger tier behind the arena (kvpool-owned): `host` a shared-memory file beside the arena,
     # `disk` a memory-mapped file in `offload_dir` (empty: the deployment's run folder); `none` = off.
     # Cached blocks are written there before they would be lost, preempted requests are swapped there,
@@ -177,6 +181,8 @@ class CacheConfig:
             raise ConfigError("cache.num_blocks must be >= 0")
         if self.pool_grant_batch < 1:
             raise ConfigError("cache.pool_grant_batch must be >= 1")
+        if self.kv_ahead_mb < 0:
+            raise ConfigError("cache.kv_ahead_mb must be >= 0 (0: the whole arena made at start)")
 
 
 @dataclass(frozen=True)

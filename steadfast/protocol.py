@@ -355,6 +355,7 @@ class PoolReply(msgspec.Struct, array_like=True, omit_defaults=True):
     cuda_ipc: CudaIpcHandle | None = None
     tier: str = ""  # the node's offload tier (cache.offload_tier), empty when there is none
     tier_path: str = ""  # its file, made by the pool
+    made: int = 0  # a file arena made as it is used: blocks [0, made) have their memory (0: all of them)
 
 
 ToPool = PoolRegister | PoolAttach | PoolFence | PoolGrant | PoolRelease

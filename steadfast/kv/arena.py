@@ -4,6 +4,7 @@ The arena is a file (in /dev/shm by default) mapped MAP_SHARED, so any process o
 knows its path can map the same bytes: the engine that fills blocks is not the owner of the memory. Its
 files are private to our user and fully reserved when made (`arena_file.py`), and each process's mapping
 of them is populated on a background thread (`resident.py`), so no step pays for a page's first touch.
+A kvpool's arena is made as it is used (`arena_prefix.py`): a worker populates what it is granted.
 
 Physical layout: `[num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]`.
 A block id names the same slot in every (layer, K/V, head) plane, so a block holds K and V of every
@@ -30,6 +31,7 @@ import torch
 import xxhash
 
 from steadfast.kv import arena_file
+from steadfast.kv.arena_prefix import Populated
 from steadfast.kv.resident import make_resident
 from steadfast.kv.spec import ArenaSpec
 from steadfast.protocol import CudaIpcHandle, PoolReply
@@ -54,6 +56,7 @@ class KVArena:
         self.spec = spec
         # tensor: [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
         self.tensor = tensor
+        self.prefix: Populated | None = None  # a pool's arena made as it is used: what is populated here
 
     @property
     def device(self) -> torch.device:
@@ -132,8 +135,20 @@ class KVArena:
         numel = spec.block_numel * spec.num_blocks
         # Through the descriptor that was checked, so the path cannot be swapped in between.
         flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=torch_dtype(spec))
-        make_resident(flat, fd, path)  # in the background: no later step pays for a first touch
-        return cls(path, spec, flat.view(spec.shape))
+        arena = cls(path, spec, flat.view(spec.shape))
+        if os.fstat(fd).st_blocks * 512 >= spec.nbytes:
+            make_resident(flat, fd, path)  # in the background: no later step pays for a first touch
+        else:
+            # Made as the pool grants its blocks (`arena_prefix.py`): populated only as far as the pool has
+            # made it, since populating a page the pool has not reserved would take memory it may not have.
+            arena.prefix = Populated(flat.data_ptr(), spec, Path(path).name)
+        return arena
+
+    def populate_to(self, blocks: int) -> None:
+        """The pool has made blocks `[0, blocks)`: where the arena is made as it is used, this process's
+        mapping of them is populated in the background, ahead of the steps that touch them."""
+        if self.prefix is not None:
+            self.prefix.want(blocks)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each a contiguous `[kv_heads, num_blocks, block_size, head_dim]` view."""

@@ -1,8 +1,10 @@
 """The arena's files on disk: made private (mode 0600, never over an existing path or through a symlink)
-with all their space reserved up front, and opened only while they are still private.
+with their space reserved, and opened only while they are still private.
 
 Reserving matters because the arena lives in a tmpfs: a sparse file larger than the free space maps
 fine and then kills its process with SIGBUS on the first page that cannot be backed, long after start-up.
+So a file is reserved whole when made, or, the kvpool's node arena, made a hole whose pages the pool
+reserves before it grants the blocks on them (`arena_prefix.py`): no process touches an unreserved page.
 This module never maps anything (that is `arena.py`) and never chooses the folder (the launcher's).
 """
 
@@ -44,14 +46,19 @@ def _no_room(what: str, folder: str, nbytes: int, free: int) -> str:
     )
 
 
-def create(path: str, nbytes: int) -> int:
+def create(path: str, nbytes: int, reserve: bool = True) -> int:
     """Make the file at `path` with all `nbytes` reserved and return it open read-write. Refused if
-    anything is at `path` already, a symlink included; nothing is left behind on failure."""
+    anything is at `path` already, a symlink included; nothing is left behind on failure.
+    `reserve=False`: the file is a hole of that size (the folder must have room for it now), whose
+    pages its owner reserves as they are needed (`arena_prefix.Reserved`)."""
     folder = os.path.dirname(path) or "."
     check_space(folder, nbytes)
     fd = os.open(path, _NEW | os.O_RDWR, 0o600)
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        if reserve:
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
     except BaseException as exc:
         os.close(fd)
         os.unlink(path)
@@ -66,15 +73,18 @@ def spec_path(path: str) -> str:
     return path + ".json"
 
 
-def make_arena(path: str, nbytes: int, spec_json: str) -> None:
-    """A new arena file with its spec, as `KVArena.create` makes them but not mapped: for the launcher,
-    which makes a worker's private arena and must not import torch (the worker maps it)."""
-    os.close(create(path, nbytes))
+def make_arena(path: str, nbytes: int, spec_json: str, reserve: bool = True) -> int:
+    """A new arena file with its spec, as `KVArena.create` makes them but not mapped (the launcher, which
+    makes a worker's private arena, and the kvpool must not import torch: workers map it). Returns the
+    file open read-write (`reserve`: as `create`)."""
+    fd = create(path, nbytes, reserve)
     try:
         write_private(spec_path(path), spec_json)
     except BaseException:
+        os.close(fd)
         os.unlink(path)
         raise
+    return fd
 
 
 def write_private(path: str, text: str) -> None:
@@ -146,7 +156,7 @@ def make_tier(path: str, spec: ArenaSpec) -> ArenaSpec:
         if found != spec:
             raise ValueError(f"the offload tier at {path} is {found}, not {spec}")
         return found
-    make_arena(path, spec.nbytes, json.dumps(asdict(spec)))
+    os.close(make_arena(path, spec.nbytes, json.dumps(asdict(spec))))
     return spec
 
 

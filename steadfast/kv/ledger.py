@@ -160,9 +160,10 @@ class Ledger(abc.ABC):
         lease and free every block, sealed ones too, since nothing they describe exists any more."""
 
     @abc.abstractmethod
-    def grant(self, worker: str, epoch: int, count: int) -> list[int]:
+    def grant(self, worker: str, epoch: int, count: int, below: int | None = None) -> list[int]:
         """Up to `count` blocks become OWNED by the worker (fewer, maybe none, when short): FREE ones
-        first, then QUARANTINED ones (their writer is gone), then ownerless SEALED ones nobody adopted."""
+        first, lowest id first, then QUARANTINED ones (their writer is gone), then ownerless SEALED ones
+        nobody adopted. `below`: FREE blocks only under this id (the arena's memory made so far)."""
 
     @abc.abstractmethod
     def adopt(self, worker: str, epoch: int, blocks: Sequence[tuple[int, bytes]]) -> None:

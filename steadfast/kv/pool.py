@@ -28,7 +28,8 @@ from steadfast import protocol
 from steadfast.config import Config, config_from_dict
 from steadfast.ipc import die_with_parent, setup_logging
 from steadfast.kv.arena_file import make_arena, make_tier, open_arena, tier_spec
-from steadfast.kv.ledger import FencedError, LeaseState, LedgerError, LedgerUnavailableError
+from steadfast.kv.arena_prefix import Reserved
+from steadfast.kv.ledger import BlockState, FencedError, LeaseState, LedgerError, LedgerUnavailableError
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.pool_client import Throttled
 from steadfast.kv.spec import ArenaSpec
@@ -75,12 +76,15 @@ class KVPool:
                 self.ledger.arena_replaced()
                 log.warning("new device arena: every earlier lease fenced, every block freed")
         elif Path(arena_path).exists():
-            self.spec, fd = open_arena(arena_path)  # a restart: the bytes are still there
-            os.close(fd)
+            self.spec, fd = open_arena(arena_path, os.O_RDWR)  # a restart: the bytes are still there
             log.info("re-attached KV arena %s (%d blocks)", arena_path, self.spec.num_blocks)
         else:
-            make_arena(arena_path, spec.nbytes, json.dumps(asdict(spec)))
+            fd = make_arena(arena_path, spec.nbytes, json.dumps(asdict(spec)), reserve=self._ahead(spec) is None)
         self.ledger.format(self.spec.num_blocks)
+        # The arena's memory made as its blocks are handed out (`cache.kv_ahead_mb`), else all reserved.
+        self.reserved: Reserved | None = None
+        if self.device_arena is None:
+            self._reserve(fd)
         self.tier, self.tier_path = (cfg.cache.offload_tier, tier_path) if tier_path else ("", "")
         if self.tier:
             slots = cfg.cache.tier_slots(self.spec.num_blocks)
@@ -92,6 +96,51 @@ class KVPool:
         # A row outlives the window by at most half of it (30 s at most); a scan per tick would cost for nothing.
         self.prune_every_s = min(max(self.window_s / 2, 1.0), 30.0)
 
+    def _ahead(self, spec: ArenaSpec) -> int | None:
+        """Blocks made ahead of the highest one handed out; None: the whole arena, reserved at start."""
+        blocks = (self.cfg.cache.kv_ahead_mb << 20) // spec.block_bytes
+        return max(blocks, self.cfg.cache.pool_grant_batch) if 0 < blocks < spec.num_blocks else None
+
+    def _reserve(self, fd: int) -> None:
+        """Made now: the blocks in use (a restart) and `ahead` more; the rest as grants reach them."""
+        ahead = self._ahead(self.spec)
+        if ahead is None:  # reserved whole when made (a restarted pool: reserved whole now, a no-op if so)
+            try:
+                os.posix_fallocate(fd, 0, self.spec.nbytes)
+            finally:
+                os.close(fd)
+            return
+        self.reserved = Reserved(fd, self.spec, Path(self.arena_path).name)
+        used = max((b.block_id + 1 for b in self.ledger.blocks() if b.state != BlockState.FREE), default=0)
+        self.reserved.ensure(used + ahead)
+        log.info(
+            "KV arena %s: %d of %d blocks made (%d ahead of use), the rest as they are granted",
+            self.arena_path,
+            self.reserved.made,
+            self.spec.num_blocks,
+            ahead,
+        )
+
+    @property
+    def made(self) -> int:
+        """Blocks of the arena whose memory is made, for the workers' answers (0: all of them)."""
+        return self.reserved.made if self.reserved is not None else 0
+
+    def _grant(self, msg: PoolGrant) -> list[int]:
+        """Blocks for a worker, only ones whose memory is made: when the made ones run short, more are
+        made at once (the background keeps `ahead` blocks made past the highest granted one)."""
+        r = self.reserved
+        if r is None:
+            return self.ledger.grant(msg.worker, msg.epoch, msg.count)
+        ids = self.ledger.grant(msg.worker, msg.epoch, msg.count, below=r.made)
+        if len(ids) < msg.count and r.made < self.spec.num_blocks:
+            # Every block at or past `made` is FREE (none was ever granted): make what is missing.
+            r.ensure(r.made + msg.count - len(ids))
+            ids += self.ledger.grant(msg.worker, msg.epoch, msg.count - len(ids), below=r.made)
+        ahead = self._ahead(self.spec) or 0
+        r.want(max(ids, default=0) + 1 + ahead)
+        return ids
+
     def handle(self, msg: ToPool) -> PoolReply:
         try:
             if isinstance(msg, PoolRegister):
@@ -101,7 +150,7 @@ class KVPool:
             if isinstance(msg, PoolFence):
                 return self._fence_dead(msg)
             if isinstance(msg, PoolGrant):
-                return PoolReply(True, msg.epoch, self.ledger.grant(msg.worker, msg.epoch, msg.count))
+                return PoolReply(True, msg.epoch, self._grant(msg), made=self.made)
             self.ledger.free(msg.worker, msg.epoch, msg.block_ids)
             return PoolReply(True, msg.epoch)
         except LedgerUnavailableError:
@@ -146,6 +195,7 @@ class KVPool:
         reply.arena_path = self.arena_path
         reply.ledger_url = self.ledger_url
         reply.tier, reply.tier_path = self.tier, self.tier_path
+        reply.made = self.made
         if self.device_arena is not None:
             # A device arena travels as an IPC handle, one per importer (torch counts each of them).
             reply.cuda_ipc = self.device_arena.export_ipc()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -63,6 +64,8 @@ class PoolClient:
         self.sock: zmq.Socket | None = None
         self.epoch = 0
         self._junk = Throttled(log)
+        # Told how much of the arena the pool has made, with every answer that says (`PoolReply.made`).
+        self.on_made: Callable[[int], None] | None = None
 
     def _connect(self) -> zmq.Socket:
         if self.sock is not None:
@@ -83,6 +86,8 @@ class PoolClient:
                     raise LeaseLostError(reply.error)
                 if not reply.ok:
                     raise LedgerError(reply.error)
+                if reply.made and self.on_made is not None:
+                    self.on_made(reply.made)
                 return reply
             # No answer: the daemon may be restarting. A fresh socket drops any stale reply.
             log.warning("kvpool did not answer (attempt %d); retrying", attempt + 1)

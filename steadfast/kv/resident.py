@@ -10,59 +10,41 @@ its final round while the request is paused, the first step of a request adopted
 - Each process's own page tables: a page made by another process still faults once in this one (reading
   a 512-token request's KV took 31 ms in a process new to its pages, 9 ms after they were populated).
 
-So every process that maps the arena has its mapping populated here (`MADV_POPULATE_WRITE`: the page
-tables filled as a write would fill them, no byte read or written), which makes the file's pages on the
-way. The calls go through ctypes, which lets go of the GIL, in chunks, from a thread of its own at the
-lowest CPU priority: the process keeps serving and the workers starting beside it keep loading.
+So every process that maps a reserved-whole arena has its mapping populated here (`MADV_POPULATE_WRITE`:
+the page tables filled as a write would fill them, no byte read or written), which makes the file's pages
+on the way. The calls go through ctypes, which lets go of the GIL, in small chunks (`pages.py`), from a
+thread of its own at normal priority: each call holds the process's mmap_lock, and a thread starved at
+idle priority inside one stalled the engine thread's allocations for seconds. A kvpool's arena made as
+it is used is populated as far as it is made instead (`arena_prefix.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import logging
-import mmap
 import os
 import threading
 import time
 
 import torch
 
+from steadfast.kv import pages
+
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 << 20  # populated per call: bounds how long one call runs
-MADV_POPULATE_WRITE = 23  # Linux 5.14 (not in Python's mmap module before 3.13)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+CHUNK_BYTES = pages.CHUNK_BYTES  # populated per call: bounds how long one call runs
 
 
 def populate(tensor: torch.Tensor) -> None:
     """This process's mapping under `tensor` (a whole file mapping, page aligned) populated, blocking.
     OSError if the kernel refuses (EINVAL: older than 5.14)."""
-    start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    for offset in range(0, nbytes, CHUNK_BYTES):
-        if _libc.madvise(start + offset, min(CHUNK_BYTES, nbytes - offset), MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"populating bytes {offset}+: {os.strerror(err)}")
+    pages.populate_range(tensor.data_ptr(), tensor.numel() * tensor.element_size(), CHUNK_BYTES)
 
 
 def fault_in(fd: int, nbytes: int) -> None:
     """Every page of the first `nbytes` of file `fd` made (read faults through a mapping of its own:
     any kernel), blocking; this process's mapping of the arena is not populated by it."""
-    for offset in range(0, nbytes, CHUNK_BYTES):
-        n = min(CHUNK_BYTES, nbytes - offset)
-        addr = _libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_POPULATE, fd, offset)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, f"mapping bytes {offset}+{n}: {os.strerror(err)}")
-        _libc.munmap(addr, n)
+    pages.fault_in(fd, nbytes, CHUNK_BYTES)
 
 
 def make_resident(tensor: torch.Tensor, fd: int, name: str) -> threading.Thread:
@@ -71,9 +53,8 @@ def make_resident(tensor: torch.Tensor, fd: int, name: str) -> threading.Thread:
     own = os.dup(fd)
 
     def run() -> None:
-        # On Linux a thread id names one thread: only this one gets the idle priority.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        # At normal priority, in small calls (`pages.CHUNK_BYTES`): at idle priority this thread, preempted
+        # inside a call, held the mmap_lock the engine thread's allocations need (a 13 s stall measured).
         t0 = time.perf_counter()
         nbytes = tensor.numel() * tensor.element_size()
         try:

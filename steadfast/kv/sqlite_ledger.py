@@ -35,6 +35,7 @@ from steadfast.kv.sqlite_rows import ids_blob, ids_of
 from steadfast.kv.sqlite_slots import SLOTS_SCHEMA, SqliteSlots
 
 MOVE_RECORD_S = 3600.0  # a move's decision is kept this long (seconds of the ledger's clock), then pruned
+MAX_ID = 2**63 - 1  # `grant` without `below`: every FREE block qualifies
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -233,7 +234,7 @@ class SqliteLedger(SqliteSlots, Ledger):
                 "hash = NULL, tier = NULL, content = NULL"
             )
 
-    def grant(self, worker: str, epoch: int, count: int) -> list[int]:
+    def grant(self, worker: str, epoch: int, count: int, below: int | None = None) -> list[int]:
         if count < 0:
             raise LedgerError("cannot grant a negative number of blocks")
         with self._tx() as c:
@@ -242,8 +243,9 @@ class SqliteLedger(SqliteSlots, Ledger):
                 r[0]
                 for r in c.execute(
                     "SELECT id FROM blocks WHERE owner IS NULL AND state IN ('FREE', 'QUARANTINED', 'SEALED') "
+                    "AND (state != 'FREE' OR id < ?) "
                     "ORDER BY CASE state WHEN 'FREE' THEN 0 WHEN 'QUARANTINED' THEN 1 ELSE 2 END, id LIMIT ?",
-                    (count,),
+                    (MAX_ID if below is None else below, count),
                 )
             ]
             c.executemany(

@@ -271,7 +271,7 @@ class Launcher:
             source = ArenaSource(device=True)  # device memory cannot be made here and handed over
         else:
             path = self._arena_path(f"worker{worker_id}.kv")
-            make_arena(path, self._spec.nbytes, json.dumps(asdict(self._spec)))  # the worker maps it
+            os.close(make_arena(path, self._spec.nbytes, json.dumps(asdict(self._spec))))  # the worker maps it
             source = ArenaSource(arena_file=path)
         address = self._worker_address(worker_id)
         self.node_of[worker_id] = node

@@ -262,7 +262,7 @@ def _other_nodes(
         )
     if side in (TransferSide.RECEIVE, TransferSide.BOTH):
         grants = PoolClient(pool_address, pool.worker)
-        grants.epoch = pool.epoch
+        grants.epoch, grants.on_made = pool.epoch, arena.populate_to
         receiver = KVReceiver(
             arena,
             arena.spec.block_size,
@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
         pool = PoolClient(args.pool, f"worker{args.worker_id}")
         reply = pool.register(os.getpid())
         arena = map_arena(reply)
+        arena.populate_to(reply.made)
+        pool.on_made = arena.populate_to
         sync = LedgerSync(cfg, pool, reply.ledger_url, arena)
         log.info("registered with the kvpool as %s, epoch %d", pool.worker, pool.epoch)
         side = transfer_side(args.role, args.transfer_side)

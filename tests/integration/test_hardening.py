@@ -226,8 +226,8 @@ def test_pending_requests_over_the_limit_get_429_with_retry_after(server, model)
 def _rss_kib(sid: int) -> int:
     """Private resident memory (`RssAnon`: where a leak lives) of every process of session `sid` (the
     server and its children, each of which has a process group of its own). Not `VmRSS`: that counts the
-    KV arena's shared pages too, which each process's mapping has populated in the background after
-    start (`kv/resident.py`), so it grows by the arena's size with nothing leaked."""
+    KV arena's shared pages too, which each worker populates in the background as the arena is made
+    (`kv/arena_prefix.py`), so it grows with the arena's use with nothing leaked."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
