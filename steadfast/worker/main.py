@@ -279,13 +279,15 @@ def _other_nodes(
     return sender, receiver
 
 
-def warm_up(engine: Engine, short: bool = False) -> None:
+def warm_up(engine: Engine) -> None:
     """One short request through the whole engine before reporting ready: the first forward passes
     pay for thread pools, kernel selection and caches, and a standby promoted under a dead worker's
-    load must not pay that then. `short`: a worker forked from a zygote that warmed up already (its
-    kernels chosen, its caches made) only starts its own thread pool."""
-    ids = engine.tokenizer.encode("Steadfast warms up its kernels before it takes traffic. " * (1 if short else 8))
-    params = SamplingParams(max_tokens=2 if short else 4, temperature=0.0, ignore_eos=True)
+    load must not pay that then. Not in a worker forked from a zygote, which warmed up already (its
+    kernels chosen, its caches made): there it would only start the thread pool, which the first step
+    starts as cheaply, and it would run just when a replacement is forked, beside the worker that took
+    over (both on every core: their threads' spinning barriers stretched its steps to 1.9 s)."""
+    ids = engine.tokenizer.encode("Steadfast warms up its kernels before it takes traffic. " * 8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     sync, engine.sync = engine.sync, None  # not a client's request: no checkpoint of it in the ledger
     try:
         engine.generate([AddRequest("warm-up", ids, params)])
@@ -356,7 +358,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
         log.warning("cache.offload_tier %s needs the kvpool (external_ledger): no offload tier", cfg.cache.offload_tier)
     phases.mark("kv")
     stall(f"worker{args.worker_id}_start")  # a fault test's slow start (unarmed: one lookup)
-    warm_up(engine, short=forked)
+    if not forked:
+        warm_up(engine)
     trim_heap()
     phases.mark("warm-up")
     log.info(
