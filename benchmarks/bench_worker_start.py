@@ -74,6 +74,18 @@ def processes(sid: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def shm_files(launcher_pid: int) -> dict[str, float]:
+    """Memory (MiB allocated) of each file the deployment keeps in shared memory: its node's KV arena and
+    weight store, in the launcher's arena folder. A tmpfs page is memory whether or not a process maps
+    it, and PSS counts only mapped pages: an arena made ahead of use holds pages nobody maps yet."""
+    out = {}
+    for folder in Path("/dev/shm").glob(f"steadfast-{os.geteuid()}-{launcher_pid}-*"):
+        for f in folder.iterdir():
+            if f.is_file():
+                out[f.name] = f.stat().st_blocks * 512 / 2**20
+    return out
+
+
 def workers(url: str) -> list[dict]:
     return httpx.get(f"{url}/admin/workers", timeout=10).json()
 
@@ -92,6 +104,9 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         wait_until(lambda: standby_ready(server.url), 300)
         time.sleep(args.settle)  # idle: background page population done, nothing in flight
         result["memory"] = processes(os.getsid(server.proc.pid))
+        result["shm_files_mib"] = shm_files(server.proc.pid)
+        private = sum(m["pss_mib"] - m["pss_shmem_mib"] for m in result["memory"].values())
+        result["held_mib"] = private + sum(result["shm_files_mib"].values())  # what the deployment holds
         for k in range(args.kills):
             victim = next(w for w in workers(server.url) if w["role"] == "mixed")
             before = {int(m.group(1)) for m in READY.finditer(server.output())}
@@ -241,6 +256,9 @@ def main() -> None:
             f"| {mode} | **all** | {total['rss_mib']:.0f} MiB | **{total['pss_mib']:.0f} MiB** | "
             f"{total['pss_shmem_mib']:.0f} MiB |"
         )
+        files = r["shm_files_mib"]
+        print(f"| {mode} | files in shared memory ({', '.join(sorted(files))}) | | | {sum(files.values()):.0f} MiB |")
+        print(f"| {mode} | **held: private PSS + those files** | | **{r['held_mib']:.0f} MiB** | |")
 
 
 if __name__ == "__main__":
