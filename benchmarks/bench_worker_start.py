@@ -95,7 +95,7 @@ def standby_ready(url: str) -> dict | None:
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
-    cfg = f"model: {{{MODES[mode]}}}\nserver: {{workers: 1, standby_workers: 1}}\n"
+    cfg = f"model: {{{MODES[mode]}, dtype: {args.dtype}}}\nserver: {{workers: 1, standby_workers: 1}}\n"
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-start-{mode}-"))
     server = ServerProcess(tmp, cfg)
     result: dict = {"config": cfg, "replacements": []}
@@ -215,6 +215,9 @@ def main() -> None:
     p.add_argument("--chaos-tokens", type=int, default=64, help="chaos part: tokens per request")
     p.add_argument("--settle", type=float, default=8.0, help="idle seconds before measuring memory and killing")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model.dtype (auto: as shipped)"
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "worker_start.json"))
     args = p.parse_args()
     report = {**run_info(args), "modes": {}}
