@@ -48,7 +48,7 @@ class WorkerInbox:
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.sock.poll(timeout_ms))
 
-    def drain(self) -> list[protocol.AddRequest | protocol.AbortRequest]:
+    def drain(self) -> list[protocol.ToWorker]:
         messages = []
         while True:
             try:

@@ -43,6 +43,7 @@ from steadfast.protocol import (
     Retire,
     SamplingParams,
     StepOutputs,
+    ToWorker,
     WorkerRole,
     WorkerState,
     WorkerStatus,
@@ -54,6 +55,7 @@ from steadfast.worker.startup import StartupPhases, trim_heap
 log = logging.getLogger("steadfast.worker")
 
 EXIT_LEASE_LOST = 3
+DRAIN_ROUNDS = 8  # reads of the inbox before a step; bounded, so a flood of messages cannot starve the step
 
 
 class WorkerLoop:
@@ -120,31 +122,42 @@ class WorkerLoop:
             # (Idle waits are short too: a SIGTERM, which does not interrupt the poll, is seen within them.)
             wait = (1 if engine.only_waiting_on_transfers else 0) if engine.has_work else min(interval_ms, 100)
             if self.inbox.poll(wait):
-                for msg in self.inbox.drain():
-                    if isinstance(msg, AddRequest):
-                        engine.add_request(msg)
-                    elif isinstance(msg, AbortRequest):
-                        for request_id in msg.request_ids:
-                            engine.abort(request_id)
-                    elif isinstance(msg, Migrate):
-                        engine.migrate(msg)
-                        # Its answer goes now: waiting for the next step would keep the request in no
-                        # batch (and its client waiting) for a whole step of the others.
-                        if answers := engine.take_pending():
-                            self.outbox.send(StepOutputs(self.worker_id, answers))
-                    elif isinstance(msg, Retire):
-                        log.info("retiring (%s)", msg.reason or "drained")
-                        self.leave()
-                        self._report(force=True)  # STOPPING: the router sends it nothing new
-                    elif isinstance(msg, Promote):
-                        self.role = msg.role
-                        self._report(force=True)
+                # What arrives while these are handled joins the same step: a takeover's requests come
+                # one by one as the router resumes each, and adopting the first takes a few ms (its
+                # blocks verified); stepping between them would give the first a step of its own
+                # (1 + 5 steps before six taken-over requests all had a token again).
+                for _ in range(DRAIN_ROUNDS):
+                    messages = self.inbox.drain()
+                    if not messages:
+                        break
+                    for msg in messages:
+                        self._handle(engine, msg)
             if engine.has_work:
                 outputs = self._step(engine)
                 if outputs:
                     self.outbox.send(StepOutputs(self.worker_id, outputs))
             self._report()
         self._report(force=True)
+
+    def _handle(self, engine: Engine, msg: ToWorker) -> None:
+        if isinstance(msg, AddRequest):
+            engine.add_request(msg)
+        elif isinstance(msg, AbortRequest):
+            for request_id in msg.request_ids:
+                engine.abort(request_id)
+        elif isinstance(msg, Migrate):
+            engine.migrate(msg)
+            # Its answer goes now: waiting for the next step would keep the request in no batch (and its
+            # client waiting) for a whole step of the others.
+            if answers := engine.take_pending():
+                self.outbox.send(StepOutputs(self.worker_id, answers))
+        elif isinstance(msg, Retire):
+            log.info("retiring (%s)", msg.reason or "drained")
+            self.leave()
+            self._report(force=True)  # STOPPING: the router sends it nothing new
+        elif isinstance(msg, Promote):
+            self.role = msg.role
+            self._report(force=True)
 
     def leave(self) -> None:
         """Stop once no request is left here (the router moves them), at the latest after the shutdown timeout."""

@@ -1,0 +1,70 @@
+"""The worker's loop takes the messages that arrive while it handles a batch into the same step: a
+takeover's requests reach it one by one, and before, the first got a step of its own while the rest
+waited a whole step for their first token. A flood of messages still cannot keep it from stepping."""
+
+from __future__ import annotations
+
+import pytest
+
+from steadfast.protocol import AddRequest, SamplingParams, StepOutputs, WorkerRole
+from steadfast.worker import main as worker_main
+
+pytestmark = pytest.mark.unit
+
+
+class ScriptedInbox:
+    """An inbox whose reads return prepared batches: what "arrives" while the previous one is handled."""
+
+    def __init__(self, batches: list[list]) -> None:
+        self.batches = batches
+        self.reads = 0
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.batches)
+
+    def drain(self) -> list:
+        self.reads += 1
+        return self.batches.pop(0) if self.batches else []
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+def add(i: int) -> AddRequest:
+    return AddRequest(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+
+def run_loop(small_config, small_model, make_engine, batches: list[list]) -> list[int]:
+    """Run the loop until its requests are done; returns how many requests each step held."""
+    engine = make_engine(small_config, small_model)
+    loop = worker_main.WorkerLoop(small_config, 0, ScriptedInbox(batches), Outbox(), WorkerRole.MIXED)
+    held: list[int] = []
+    step = engine.step
+
+    def counted():
+        held.append(len(engine.requests))
+        loop.leave()  # it ends once its requests are done
+        return step()
+
+    engine.step = counted
+    loop.run(engine)
+    assert {o.request_id for m in loop.outbox.sent if isinstance(m, StepOutputs) for o in m.outputs} >= {
+        r.request_id for batch in batches for r in batch
+    }
+    return held
+
+
+def test_messages_arriving_while_a_batch_is_handled_join_its_step(small_config, small_model, make_engine):
+    held = run_loop(small_config, small_model, make_engine, [[add(0)], [add(1), add(2)], [add(3)]])
+    assert held[0] == 4  # all four in the first step, not one and then three
+
+
+def test_a_flood_of_messages_cannot_keep_the_loop_from_stepping(small_config, small_model, make_engine):
+    batches = [[add(i)] for i in range(worker_main.DRAIN_ROUNDS + 3)]
+    held = run_loop(small_config, small_model, make_engine, batches)
+    assert held[0] == worker_main.DRAIN_ROUNDS  # it stepped after a bounded number of reads
