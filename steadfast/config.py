@@ -224,7 +224,8 @@ class ServerConfig:
     startup_timeout_s: float = 180.0
     # How often workers report their load to the router.
     status_interval_s: float = 0.5
-    # Intra-op threads per worker; 0 = STEADFAST_THREADS or every core.
+    # Intra-op threads per worker; 0 = STEADFAST_THREADS, else the machine's cores shared among the
+    # workers that compute (mixed, prefill and decode; not standbys, which compute only in place of one).
     threads_per_worker: int = 0
     # The router's CPU niceness: workers' forward passes are the bottleneck, and a router thread that
     # preempts one of a worker's OpenMP threads stalls the whole team at the next barrier.
@@ -252,6 +253,11 @@ class ServerConfig:
     # SIGTERM / Ctrl-C to `steadfast serve`: new requests are refused (503) and those in flight get this
     # long to finish; the rest then end with an error event saying the server shut down.
     shutdown_timeout: float = field(default=30.0, metadata={"duration": True})
+
+    @property
+    def computing_workers(self) -> int:
+        """Workers that run forward passes at the same time (standbys compute only in a dead one's place)."""
+        return self.workers + self.prefill_workers + self.decode_workers
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_messages", "max_prompt_chars", "max_pending_requests", "max_connections"):

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
     die_with_parent()
     setup_logging(f"worker{args.worker_id}")
     cfg = config_from_dict(json.loads(args.config_json))
-    torch.set_num_threads(cfg.server.threads_per_worker or torch_threads())
+    torch.set_num_threads(cfg.server.threads_per_worker or torch_threads(cfg.server.computing_workers))
 
     ctx = zmq.Context()
     outbox = WorkerOutbox(ctx, args.output)

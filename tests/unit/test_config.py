@@ -129,3 +129,19 @@ def test_dtype_auto_is_bf16_only_where_the_cpu_computes_it_fast(monkeypatch):
         monkeypatch.setattr(config_module, "cpu_computes_bf16", lambda fast=fast: fast)
         assert cpu.model.resolved_dtype == want
     assert cpu.replace(model={"dtype": "bfloat16"}).model.resolved_dtype == "bfloat16"  # as asked, always
+
+
+def test_workers_share_the_cores_by_default(monkeypatch):
+    """Two workers each on every core wait at each other's OpenMP barriers (3-4x slower measured): by
+    default the cores this process may use are shared among the workers that compute, standbys aside."""
+    from steadfast.env import torch_threads
+
+    monkeypatch.delenv("STEADFAST_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    server = Config().replace(server={"workers": 2, "prefill_workers": 1, "decode_workers": 1, "standby_workers": 3})
+    assert server.server.computing_workers == 4
+    assert torch_threads(server.server.computing_workers) == 2
+    assert torch_threads(16) == 1  # at least one each
+    assert torch_threads(Config().server.computing_workers) == 8  # one worker: every core
+    monkeypatch.setenv("STEADFAST_THREADS", "3")
+    assert torch_threads(4) == 3  # the operator's word wins
