@@ -312,12 +312,13 @@ def corun_part(
 def targets(report: dict, contexts: list[int]) -> dict:
     single, corun = report["single"], report["corun"]
     out: dict = {}
-    if "kv" in corun:
+    ran = set(single[contexts[0]]) if contexts and contexts[0] in single else set()  # the modes measured
+    if "kv" in ran:
         # At the median of the samples, on the longest gap of the stream (the counts per sample are in the table).
         out["same_node_client_gap_within_step_plus_5ms"] = {
             n: single[n]["kv"]["max_gap_over_step_ms_p50"] <= STEP_SLACK_MS for n in contexts
         }
-    if "kv-cross" in corun:
+    if "kv-cross" in ran:
         down = {n: single[n]["kv-cross"]["downtime_ms_p50"] for n in contexts}
         out["cross_node_downtime_within_30ms"] = {n: d <= CROSS_TARGET_MS for n, d in down.items()}
         out["cross_node_flat_ratio"] = down[contexts[-1]] / down[contexts[0]]
@@ -326,7 +327,7 @@ def targets(report: dict, contexts: list[int]) -> dict:
         if mode in corun:
             out[f"corun_slowdown_{mode}"] = corun[mode]["tpot_ratio"] - 1
             out[f"corun_slowdown_{mode}_met"] = corun[mode]["tpot_ratio"] - 1 <= SLOWDOWN_TARGET
-    if "recompute" in corun:
+    if "recompute" in ran:
         recompute = [single[n]["recompute"]["downtime_ms_p50"] for n in contexts]
         out["recompute_grows_with_context"] = all(a < b for a, b in zip(recompute, recompute[1:], strict=False))
     return out
@@ -357,7 +358,7 @@ def print_tables(report: dict, contexts: list[int], modes: list[str]) -> None:
         "| its server gap p50 (max) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for mode in modes:
+    for mode in (m for m in modes if m in corun):  # none with --duration 0
         r = corun[mode]
         print(
             f"| {mode} | {r['migrations']} | {r['tpot_quiet_ms']:.1f} / {r['tpot_migrating_ms']:.1f} ms | "
@@ -416,7 +417,8 @@ def serve(args: argparse.Namespace, which: str, modes: list[str], tok: GGUFToken
             single = single_part(args, admin, model, tok, ids, modes)
             for n, by_mode in single.items():
                 report["single"].setdefault(n, {}).update(by_mode)
-            report["corun"].update(corun_part(args, admin, model, tok, ids, modes))
+            if args.duration > 0:  # 0: the single-stream part only
+                report["corun"].update(corun_part(args, admin, model, tok, ids, modes))
             metrics = admin.get("/metrics").text
         report["token_mismatches"][which] = [
             x for x in metrics.splitlines() if x.startswith("steadfast_migration_token_mism")
@@ -448,6 +450,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "migration.json"))
     args = p.parse_args()
+    if args.samples < 1:
+        p.error("--samples must be at least 1 (the figures are medians over them)")
     tok = GGUFTokenizer.from_gguf(default_model_path())
     modes = [m for m in MODES if m in args.modes]
     # The machine is shared: what else ran shows in the load before the servers started.
