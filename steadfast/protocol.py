@@ -208,6 +208,9 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     # junk, out of its session, unsealed on the data channel...) and moves refused by why (busy, no_room).
     kv_wire_dropped: dict[str, int] = {}
     kv_wire_refused: dict[str, int] = {}
+    # Blocks of the node's arena that have memory, as the pool last told this worker (`cache.kv_ahead_mb`:
+    # it grows with use); equal to kv_blocks_total where the arena is made whole.
+    kv_blocks_made: int = 0
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):

@@ -137,6 +137,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 m.waiting.labels(label).set(w.status.num_waiting)
                 m.kv_used.labels(label).set(w.status.kv_blocks_used)
                 m.kv_free.labels(label).set(w.status.kv_blocks_total - w.status.kv_blocks_used)
+                m.kv_made.labels(label).set(w.status.kv_blocks_made)
                 s = w.status
                 m.spec_drafted.labels(label).set(s.spec_drafted)
                 m.spec_accepted.labels(label).set(s.spec_accepted)
@@ -170,6 +171,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "node": w.node,  # its kvpool's address: workers of one node hand KV over in place
                     "kv_blocks_used": s.kv_blocks_used if s else 0,
                     "kv_blocks_total": s.kv_blocks_total if s else 0,
+                    "kv_blocks_made": s.kv_blocks_made if s else 0,  # with memory: the arena grows with use
                     "kv_blocks_incoming": s.kv_blocks_incoming if s else 0,  # held for moves not yet claimed
                     "running": s.num_running if s else 0,
                     "waiting": s.num_waiting if s else 0,

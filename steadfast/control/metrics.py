@@ -97,6 +97,12 @@ class Metrics:
             ["worker", "reason"],
             registry=r,
         )
+        self.kv_made = Gauge(
+            "steadfast_kv_blocks_made",
+            "Blocks of the worker's KV arena that have memory (a node's arena takes memory as it is used)",
+            ["worker"],
+            registry=r,
+        )
         self.worker_up = Gauge("steadfast_worker_up", "1 if the worker is ready", ["worker"], registry=r)
         self.kv_transfers = Counter(
             "steadfast_kv_transfers", "KV handoffs between workers", ["path", "outcome"], registry=r

@@ -57,6 +57,7 @@ class KVArena:
         # tensor: [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
         self.tensor = tensor
         self.prefix: Populated | None = None  # a pool's arena made as it is used: what is populated here
+        self._made = 0  # ...and how far the pool has made it, as it last said
 
     @property
     def device(self) -> torch.device:
@@ -144,10 +145,16 @@ class KVArena:
             arena.prefix = Populated(flat.data_ptr(), spec, Path(path).name)
         return arena
 
+    @property
+    def made_blocks(self) -> int:
+        """Blocks whose memory is made: all of them, or as far as the pool last said (made as used)."""
+        return self.spec.num_blocks if self.prefix is None else self._made
+
     def populate_to(self, blocks: int) -> None:
         """The pool has made blocks `[0, blocks)`: where the arena is made as it is used, this process's
         mapping of them is populated in the background, ahead of the steps that touch them."""
         if self.prefix is not None:
+            self._made = max(self._made, blocks)
             self.prefix.want(blocks)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,6 +88,7 @@ class WorkerLoop:
             state,
             kv_blocks_total=b.num_blocks,
             kv_blocks_used=b.num_used,
+            kv_blocks_made=e.arena.made_blocks,
             num_running=len(e.scheduler.running),
             num_waiting=e.scheduler.num_waiting,
             prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
