@@ -85,6 +85,10 @@ class ModelConfig:
     # Decode attention: "auto" reads K/V in place with the C kernel where it runs (CPU with AVX-512 and a
     # C compiler), else gathers it with torch ops; "torch" always gathers (same results, slower).
     decode_attention: str = "auto"
+    # fp32 matmuls: "auto" uses our row-wise kernel where it runs (CPU with AVX-512 and a C compiler): a
+    # row's result never depends on the rows computed with it, and a few rows cost about one; "torch":
+    # torch's (BLAS) matmul.
+    fp32_matmul: str = "auto"
     # Workers of a node map the model read-only from one shared store (made by the first of them, in the
     # arena folder, content-hash checked on every map), instead of each loading its own copy.
     shared_weights: bool = True
@@ -101,6 +105,8 @@ class ModelConfig:
             raise ConfigError("model.max_model_len must be >= 0")
         if self.decode_attention not in ("auto", "torch"):
             raise ConfigError(f"model.decode_attention must be auto or torch, got {self.decode_attention!r}")
+        if self.fp32_matmul not in ("auto", "torch"):
+            raise ConfigError(f"model.fp32_matmul must be auto or torch, got {self.fp32_matmul!r}")
 
     @property
     def resolved_path(self) -> str:

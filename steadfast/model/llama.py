@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from steadfast.kv.arena import KVArena
 from steadfast.model.gguf_meta import LlamaConfig
 from steadfast.model.paged_attention import PagedAttention
+from steadfast.model.rowwise_matmul import RowwiseMatmul
 
 
 class Linear:
@@ -25,10 +26,13 @@ class Linear:
     holds it (`compute_layout`; mapped read-only from the node's weight store, or a private copy). In
     bf16 on CPU the weight is pre-packed once for oneDNN, which then skips the per-call weight reorder:
     1.5x (batch 64) to 2.6x (batch 1) faster, bit-identical results; that packed copy is the worker's own
-    (oneDNN's opaque layout cannot live in a shared file). fp32 keeps the plain matmul, whose rounding the
-    reference (`transformers`) shares."""
+    (oneDNN's opaque layout cannot live in a shared file). In fp32 on an AVX-512 CPU our row-wise kernel
+    (`rowwise_matmul.py`): a row's result does not depend on the rows computed with it, and a batch of
+    decodes or a verification costs about what one row does (`model.fp32_matmul: torch`: BLAS)."""
 
-    def __init__(self, weight_t: torch.Tensor) -> None:
+    def __init__(self, weight_t: torch.Tensor, rowwise: RowwiseMatmul | None = None) -> None:
+        # fp32 on CPU: our row-wise kernel where it handles the weight (for every row count alike).
+        self.rowwise = rowwise if rowwise is not None and rowwise.handles(weight_t) else None
         self.packed: torch.Tensor | None = None
         if weight_t.dtype == torch.bfloat16 and weight_t.device.type == "cpu" and torch.backends.mkldnn.is_available():
             try:
@@ -41,6 +45,8 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         assert self.weight_t is not None
+        if self.rowwise is not None:
+            return self.rowwise(x, self.weight_t)
         return x @ self.weight_t
 
 
@@ -53,9 +59,11 @@ class LMHead:
 
     PROBE_ROWS = 4
 
-    def __init__(self, weight_t: torch.Tensor, embed: torch.Tensor) -> None:
-        self.linear = Linear(weight_t)
+    def __init__(self, weight_t: torch.Tensor, embed: torch.Tensor, rowwise: RowwiseMatmul | None = None) -> None:
+        self.linear = Linear(weight_t, rowwise)
         self.rows_first: torch.Tensor | None = None
+        if self.linear.rowwise is not None:
+            return  # every row count on the one kernel: no other orientation to weigh
         if weight_t.dtype == torch.float32 and weight_t.device.type == "cpu" and torch.equal(embed, weight_t.t()):
             if self._seconds(lambda x: (embed @ x.t()).t(), weight_t) < self._seconds(self.linear, weight_t):
                 self.rows_first = embed
@@ -169,6 +177,7 @@ class LlamaModel:
         dtype: torch.dtype,
         max_positions: int,
         paged: PagedAttention | None = None,
+        rowwise: RowwiseMatmul | None = None,
     ):
         """`layout`: `compute_layout`'s tensors (used as they are: never written)."""
         self.cfg = cfg
@@ -176,16 +185,16 @@ class LlamaModel:
         self.dtype = dtype
         self.device = layout["embed"].device
         self.embed = layout["embed"]
-        self.lm_head = LMHead(layout["lm_head.t"], layout["embed"])
+        self.lm_head = LMHead(layout["lm_head.t"], layout["embed"], rowwise)
         self.final_norm = layout["final_norm"]
         self.layers = [
             (
                 layout[f"{i}.attn_norm"],
-                Linear(layout[f"{i}.qkv.t"]),
-                Linear(layout[f"{i}.o.t"]),
+                Linear(layout[f"{i}.qkv.t"], rowwise),
+                Linear(layout[f"{i}.o.t"], rowwise),
                 layout[f"{i}.ffn_norm"],
-                Linear(layout[f"{i}.gate_up.t"]),
-                Linear(layout[f"{i}.down.t"]),
+                Linear(layout[f"{i}.gate_up.t"], rowwise),
+                Linear(layout[f"{i}.down.t"], rowwise),
             )
             for i in range(cfg.num_layers)
         ]

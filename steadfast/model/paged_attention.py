@@ -11,87 +11,17 @@ the answer is, only how fast it comes.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import stat
-import subprocess
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from steadfast.env import kernel_cache_dir
+from steadfast.model.kernels import build
 
 BLOCK_SIZE = 16  # tokens per KV block the kernel is built for (BLOCK in csrc/paged_attention.c)
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _ours_alone(path: Path, kind: Callable[[int], bool]) -> bool:
-    """Whether `path` is of `kind` (never a symlink), owned by us and writable by nobody else."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    return kind(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def _build() -> Path | None:
-    """The kernel's shared library for this machine, compiled unless already cached."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler: decode attention stays on the torch path")
-        return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), _cpu_flags()]).encode())
-    name = f"paged_attention-{key.hexdigest()[:16]}.so"
-    # The user's cache first; a private temporary directory where that cannot be written. A library
-    # found where someone else could have put it is anyone's code: such a folder is passed over.
-    for folder in (kernel_cache_dir(), Path(tempfile.gettempdir()) / f"steadfast-kernels-{os.getuid()}"):
-        target = folder / name
-        try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if not _ours_alone(folder, stat.S_ISDIR):
-            log.warning("%s is not a folder only this user can write: no kernel kept there is loaded", folder)
-            continue
-        if _ours_alone(target, stat.S_ISREG):
-            return target
-        if os.path.lexists(target):
-            log.warning("%s is a symlink, another user's or writable by others: not loaded", target)
-            continue
-        try:
-            # Compiled under a private name, then renamed: processes starting together never load half a file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        except OSError:
-            continue
-        os.close(fd)
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            log.warning("paged-attention kernel did not compile; decode attention stays on torch:\n%s", done.stderr)
-            return None
-        os.chmod(tmp, 0o700)  # the linker's mode follows the umask, which may let the group write
-        os.replace(tmp, target)
-        return target
-    log.warning("nowhere to write the paged-attention kernel; decode attention stays on the torch path")
-    return None
 
 
 class PagedAttention:
@@ -160,7 +90,7 @@ def supports(dtype: torch.dtype, device: str, heads: int, kv_heads: int, dim: in
 
 def load() -> PagedAttention | None:
     """The kernel, or None where it cannot run here (no compiler, no AVX-512)."""
-    path = _build()
+    path = build(SOURCE, "decode attention")
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))

@@ -21,7 +21,7 @@ from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.spec import arena_spec
 from steadfast.kv.tier import TierFile
-from steadfast.model import paged_attention
+from steadfast.model import paged_attention, rowwise_matmul
 from steadfast.model.gguf_loader import load_weights
 from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, read_config
 from steadfast.model.llama import LlamaModel, compute_layout
@@ -83,7 +83,11 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
     ):
         paged = paged_attention.load()
     log.info("decode attention: %s", "in-place kernel" if paged is not None else "torch gather")
-    model = LlamaModel(model_cfg, layout, dtype, max_positions=limit, paged=paged)
+    rowwise = None
+    if cfg.model.fp32_matmul == "auto" and dtype == torch.float32 and device == "cpu":
+        rowwise = rowwise_matmul.load()
+        log.info("fp32 matmuls: %s", "row-wise kernel" if rowwise is not None else "torch")
+    model = LlamaModel(model_cfg, layout, dtype, max_positions=limit, paged=paged, rowwise=rowwise)
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
 
 

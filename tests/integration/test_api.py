@@ -54,9 +54,10 @@ def test_models_health_admin(server, model):
     assert w["role"] == "mixed" and w["state"] == "ready" and w["pid"] > 0 and w["kv_blocks_total"] > 0
     # The node's arena takes memory as it is used: made ahead of use, not all of it while idle.
     assert 0 < w["kv_blocks_made"] < w["kv_blocks_total"], w
-    assert f'steadfast_kv_blocks_made{{worker="{w["id"]}"}} {float(w["kv_blocks_made"])}' in httpx.get(
-        server.url + "/metrics"
-    ).text
+    assert (
+        f'steadfast_kv_blocks_made{{worker="{w["id"]}"}} {float(w["kv_blocks_made"])}'
+        in httpx.get(server.url + "/metrics").text
+    )
     assert standby["role"] == "standby" and standby["pid"] != w["pid"]
 
 

@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from steadfast.model import paged_attention
+from steadfast.model import kernels, paged_attention
 
 pytestmark = [
     pytest.mark.unit,
@@ -52,7 +52,7 @@ def fallback(where, name: str):
 
 
 def test_a_kernel_in_a_folder_others_can_write_is_not_loaded(where):
-    cached = paged_attention._build()  # compiled into the user's cache, not loaded
+    cached = kernels.build(paged_attention.SOURCE, "decode attention")  # compiled into the user's cache, not loaded
     assert cached is not None and cached.parent == where / "cache"
     plant(cached, where / "marker")
     os.chmod(cached.parent, 0o777)
@@ -63,7 +63,7 @@ def test_a_kernel_in_a_folder_others_can_write_is_not_loaded(where):
 
 @pytest.mark.parametrize("how", ["writable by its group", "a symlink", "another user's"])
 def test_a_kernel_file_not_ours_alone_is_not_loaded(where, how):
-    cached = paged_attention._build()
+    cached = kernels.build(paged_attention.SOURCE, "decode attention")
     assert cached is not None and cached.parent == where / "cache"
     if how == "a symlink":
         elsewhere = where / "elsewhere.so"
