@@ -6,6 +6,7 @@ together never load half a file."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -83,3 +84,16 @@ def build(source: Path, what: str) -> Path | None:
         return target
     log.warning("nowhere to write the %s kernel; %s stays on the torch path", source.name, what)
     return None
+
+
+def load_library(source: Path, what: str, supported: str) -> ctypes.CDLL | None:
+    """`source` built and loaded where it runs here: None without a compiler, or where its function
+    `supported()` says this CPU lacks what it needs (AVX-512), `what` then staying on torch."""
+    path = build(source, what)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    if not getattr(lib, supported)():
+        log.info("this CPU has no AVX-512: %s stays on the torch path", what)
+        return None
+    return lib

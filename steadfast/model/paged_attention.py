@@ -11,15 +11,13 @@ the answer is, only how fast it comes.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
-from steadfast.model.kernels import build
+from steadfast.model.kernels import load_library
 
 BLOCK_SIZE = 16  # tokens per KV block the kernel is built for (BLOCK in csrc/paged_attention.c)
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 
@@ -90,11 +88,5 @@ def supports(dtype: torch.dtype, device: str, heads: int, kv_heads: int, dim: in
 
 def load() -> PagedAttention | None:
     """The kernel, or None where it cannot run here (no compiler, no AVX-512)."""
-    path = build(SOURCE, "decode attention")
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
-    if not lib.paged_attention_supported():
-        log.info("this CPU has no AVX-512: decode attention stays on the torch path")
-        return None
-    return PagedAttention(lib)
+    lib = load_library(SOURCE, "decode attention", "paged_attention_supported")
+    return PagedAttention(lib) if lib is not None else None

@@ -13,14 +13,12 @@ matmul for that weight, for every row count alike.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
-from steadfast.model.kernels import build
+from steadfast.model.kernels import load_library
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "rowwise_matmul.c"
 
@@ -71,11 +69,5 @@ class RowwiseMatmul:
 
 def load() -> RowwiseMatmul | None:
     """The kernel, or None where it cannot run here (no compiler, no AVX-512)."""
-    path = build(SOURCE, "fp32 matmul")
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
-    if not lib.rowwise_matmul_supported():
-        log.info("this CPU has no AVX-512: fp32 matmuls stay on torch")
-        return None
-    return RowwiseMatmul(lib)
+    lib = load_library(SOURCE, "fp32 matmul", "rowwise_matmul_supported")
+    return RowwiseMatmul(lib) if lib is not None else None
