@@ -19,7 +19,6 @@ import torch
 
 from steadfast.model.kernels import load_library
 
-
 SOURCE = Path(__file__).with_name("csrc") / "rowwise_matmul.c"
 
 
