@@ -13,7 +13,9 @@ PSS (shared pages divided among their mappers: the sum is what the deployment ho
 
 Then the chaos case: `--streams` closed-loop greedy clients while the mixed worker is `kill -9`ed every
 `--every` seconds, `--rounds` times (a kill may find the replacement still starting: a second failure
-within seconds of the first); each round's client stall, and failed requests.
+within seconds of the first); each round's client stall, and failed requests. `--modes forked-unpaced`
+is the default deployment with prefill chunks not paced beside decodes (`scheduler.decode_step_target_ms:
+0`): a takeover's recomputed prefills then share one long step with the streams that were decoding.
 
     python benchmarks/bench_worker_start.py --kills 3
 """
@@ -42,10 +44,12 @@ from steadfast.config import default_model_path  # noqa: E402
 from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
-MODES = {
-    "load": "shared_weights: false, fork_workers: false",
-    "mapped": "shared_weights: true, fork_workers: false",
-    "forked": "shared_weights: true, fork_workers: true",
+MODES = {  # model keys, other config
+    "load": ("shared_weights: false, fork_workers: false", ""),
+    "mapped": ("shared_weights: true, fork_workers: false", ""),
+    "forked": ("shared_weights: true, fork_workers: true", ""),
+    # The default, but prefill chunks not paced beside decodes (what every mode did before 2026-12-03).
+    "forked-unpaced": ("shared_weights: true, fork_workers: true", "scheduler: {decode_step_target_ms: 0}\n"),
 }
 READY = re.compile(r"worker(\d+)\[\d+\] INFO steadfast\.worker: ready in ([\d.]+)s .*\((.*)\)")
 
@@ -95,7 +99,8 @@ def standby_ready(url: str) -> dict | None:
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
-    cfg = f"model: {{{MODES[mode]}, dtype: {args.dtype}}}\nserver: {{workers: 1, standby_workers: 1}}\n"
+    model, other = MODES[mode]
+    cfg = f"model: {{{model}, dtype: {args.dtype}}}\nserver: {{workers: 1, standby_workers: 1}}\n{other}"
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-start-{mode}-"))
     server = ServerProcess(tmp, cfg)
     result: dict = {"config": cfg, "replacements": []}
@@ -150,7 +155,7 @@ def chaos_part(args: argparse.Namespace, url: str) -> dict:
         for k in range(10**6):
             if stop.is_set():
                 return
-            s = Stream(url, model, prompt_of(tok, 64, f"client {i} request {k}"), args.chaos_tokens)
+            s = Stream(url, model, prompt_of(tok, args.chaos_prompt, f"client {i} request {k}"), args.chaos_tokens)
             s.start()
             s.join(600)
             requests.append(s.arrivals)
@@ -213,8 +218,9 @@ def main() -> None:
     p.add_argument("--every", type=float, default=3.0, help="chaos part: seconds between kills")
     p.add_argument("--streams", type=int, default=6, help="chaos part: closed-loop clients")
     p.add_argument("--chaos-tokens", type=int, default=64, help="chaos part: tokens per request")
+    p.add_argument("--chaos-prompt", type=int, default=64, help="chaos part: prompt tokens per request")
     p.add_argument("--settle", type=float, default=8.0, help="idle seconds before measuring memory and killing")
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=["load", "mapped", "forked"])
     p.add_argument(
         "--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model.dtype (auto: as shipped)"
     )

@@ -201,8 +201,18 @@ class SchedulerConfig:
     # Decode attention pads each request's KV to the longest context of its group: requests sorted by
     # context length are cut into at most this many groups, so short contexts stop paying for long ones.
     decode_attention_groups: int = 4
+    # While requests decode, prefill chunks are cut so that a step is expected (from this worker's own
+    # step times) to take at most this long: a burst of prompts or a takeover's recomputation is spread
+    # over steps instead of stalling every stream for one long step. 0: only the token budget limits.
+    decode_step_target_ms: float = 250.0
+    # ...but prefills always get this many tokens a step, so that they progress under any decode load.
+    prefill_floor_tokens: int = 64
 
     def __post_init__(self) -> None:
+        if self.decode_step_target_ms < 0:
+            raise ConfigError("scheduler.decode_step_target_ms must be >= 0 (0: off)")
+        if self.prefill_floor_tokens < 1:
+            raise ConfigError("scheduler.prefill_floor_tokens must be >= 1")
         if self.decode_attention_groups < 1:
             raise ConfigError("scheduler.decode_attention_groups must be >= 1")
         if self.max_num_seqs < 1:

@@ -211,6 +211,10 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     # Blocks of the node's arena that have memory, as the pool last told this worker (`cache.kv_ahead_mb`:
     # it grows with use); equal to kv_blocks_total where the arena is made whole.
     kv_blocks_made: int = 0
+    # What a step costs on this worker, as its scheduler estimates it (`worker/step_cost.py`): base +
+    # per token computed, in ms (0: not known yet). What paces prefill beside decodes.
+    step_base_ms: float = 0.0
+    step_token_ms: float = 0.0
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):

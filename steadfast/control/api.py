@@ -179,6 +179,8 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "prefix_hit_rate": s.prefix_hit_rate if s else 0.0,
                     "step_ms": s.step_ms if s else 0.0,
                     "step_tokens": s.step_tokens if s else 0.0,
+                    "step_base_ms": s.step_base_ms if s else 0.0,  # its measured step cost: base + per token
+                    "step_token_ms": s.step_token_ms if s else 0.0,
                     "spec_drafted": s.spec_drafted if s else 0,
                     "spec_accepted": s.spec_accepted if s else 0,
                     "tokens_per_step": s.tokens_per_step if s else 0.0,

@@ -6,6 +6,7 @@ takeover.py's.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from steadfast.worker.runner import ModelRunner
 from steadfast.worker.sampler import sample
 from steadfast.worker.scheduler import ScheduledStep, Scheduler
 from steadfast.worker.speculation import Speculator
+from steadfast.worker.step_cost import StepCost
 from steadfast.worker.takeover import recover
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: GGUFTokenizer
     max_model_len: int
+    # What a step of it cost in a warm-up on this machine (the zygote's, for the workers it forks):
+    # the scheduler's first estimate, until the worker's own steps take over.
+    step_cost: StepCost | None = None
 
 
 def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
@@ -128,6 +133,7 @@ class Engine:
         self.sync = sync
         self.spec = Speculator(cfg.speculative)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self._drafts)
+        self.scheduler.cost = copy.copy(loaded.step_cost) if loaded.step_cost is not None else StepCost()
         self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
         self.kv = KVConnector(cfg, arena, self.blocks, self.scheduler, sync, sender, receiver)
         self.offload: Offloader | None = None
@@ -212,6 +218,7 @@ class Engine:
         t0 = time.perf_counter()
         request.output_ids = list(done)
         self._restore_text(detok, done, resume)
+        request.client_has_text = resume.text_chars > 0
         mode = self.cfg.fault_recovery.kv_cache.recovery_mode
         request.recovery = recover(mode, self.sync, self.blocks, request, self.offload)
         request.resume_tokens = request.num_tokens
@@ -324,8 +331,10 @@ class Engine:
             self.offload.plan()
         for request in self.kv.after_step():
             self._let_go(request)
+        seconds = time.perf_counter() - t0
+        self.scheduler.cost.observe(scheduled.num_tokens, seconds)
         self.step_tokens += scheduled.num_tokens
-        self.step_seconds += time.perf_counter() - t0
+        self.step_seconds += seconds
         self.last_step_end = time.monotonic()
         return outputs
 

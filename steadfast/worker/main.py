@@ -51,10 +51,13 @@ from steadfast.protocol import (
 from steadfast.worker.engine import Engine, LoadedModel, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.startup import StartupPhases, trim_heap
+from steadfast.worker.step_cost import StepCost
 
 log = logging.getLogger("steadfast.worker")
 
 EXIT_LEASE_LOST = 3
+# Two different texts: the second must not find the first's blocks cached.
+WARM_UP_TEXTS = ("Steadfast warms up its kernels before it takes traffic. ", "Every stream goes on through a failure. ")
 DRAIN_ROUNDS = 8  # reads of the inbox before a step; bounded, so a flood of messages cannot starve the step
 
 
@@ -81,6 +84,7 @@ class WorkerLoop:
         steps0, seconds0, tokens0 = self._last_counts
         self._last_counts = (e.steps, e.step_seconds, e.step_tokens)
         steps = e.steps - steps0
+        base, per_token = e.scheduler.cost.line() or (0.0, 0.0)
         return WorkerStatus(
             self.worker_id,
             os.getpid(),
@@ -94,6 +98,8 @@ class WorkerLoop:
             prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
             step_ms=1000 * (e.step_seconds - seconds0) / steps if steps else 0.0,
             step_tokens=(e.step_tokens - tokens0) / steps if steps else 0.0,
+            step_base_ms=1000 * base,
+            step_token_ms=1000 * per_token,
             node=self.node,
             kv_addresses=e.kv.receiver.addresses if e.kv.receiver is not None else [],
             kv_blocks_incoming=e.kv.receiver.held_blocks if e.kv.receiver is not None else 0,
@@ -299,12 +305,15 @@ def warm_up(engine: Engine) -> None:
     load must not pay that then. Not in a worker forked from a zygote, which warmed up already (its
     kernels chosen, its caches made): there it would only start the thread pool, which the first step
     starts as cheaply, and it would run just when a replacement is forked, beside the worker that took
-    over (both on every core: their threads' spinning barriers stretched its steps to 1.9 s)."""
-    ids = engine.tokenizer.encode("Steadfast warms up its kernels before it takes traffic. " * 8)
+    over (both on every core: their threads' spinning barriers stretched its steps to 1.9 s).
+    The second of its two requests times the steps afresh (the first pays the one-time costs), so that
+    the scheduler knows what a step costs before the first client's."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     sync, engine.sync = engine.sync, None  # not a client's request: no checkpoint of it in the ledger
     try:
-        engine.generate([AddRequest("warm-up", ids, params)])
+        for i, text in enumerate(WARM_UP_TEXTS):
+            engine.scheduler.cost = StepCost()
+            engine.generate([AddRequest(f"warm-up-{i}", engine.tokenizer.encode(text * 8), params)])
     finally:
         engine.sync = sync
 

@@ -33,6 +33,7 @@ class Request:
         # A taken-over request: (route, tokens of KV adopted) until its first new token reports them.
         self.recovery: tuple[Route, int] | None = None
         self.resume_tokens = 0  # tokens it had (prompt + delivered) when it was taken over
+        self.client_has_text = False  # taken over from a client who had text (whatever the checkpoint held)
         self.decode_worker = -1  # a prefill worker hands its KV to this worker after the first token
         self.kv_paths: list[str] = []  # ...on another node, streamed to these addresses
         self.kv_given: list[tuple[int, int]] = []  # (start, count) spans given to the KV sender
@@ -40,6 +41,11 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def streaming(self) -> bool:
+        """Its client has seen tokens of it: every step it waits for is a stall the client feels."""
+        return bool(self.output_ids) or self.client_has_text
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,12 @@ With an offload tier, a preempted request's named blocks are swapped out to it f
 waiting request whose prefix the tier holds waits until those blocks are back (`prefetch`): then its
 admission finds them cached, and only the tail of its last block is recomputed.
 
+While some client is streaming (a request has produced tokens), the prefill chunks of requests that
+have not share what is left of `decode_step_target_ms` beside the decodes, by the worker's own step
+times (`StepCost`), at least `prefill_floor_tokens` a step: streams keep a steady pace through a burst
+of prompts. A streaming request's own recomputation (after a takeover or a preemption) is not cut: it
+is the stall its client feels.
+
 With speculative decoding a decoding request may bring draft tokens: it is then scheduled to verify
 them (one position each, beyond its own token) when budget and KV room allow, else as a plain decode —
 drafts never preempt anybody.
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from steadfast.config import SchedulerConfig
 from steadfast.kv.block_manager import BlockManager
 from steadfast.worker.request import Request, Status
+from steadfast.worker.step_cost import StepCost
 
 
 @dataclass
@@ -56,6 +63,7 @@ class Scheduler:
         self.cfg = cfg
         self.blocks = blocks
         self.drafter = drafter
+        self.cost: StepCost | None = None  # set by the engine, which times the steps
         self.swap: Swapper | None = None
         self.prefetch: Prefetcher | None = None
         self.swap_preemptions = 0  # preempted with KV kept in the offload tier
@@ -122,18 +130,48 @@ class Scheduler:
         step.verifies.append((request, drafts))
         return True
 
+    def _prefill_room(self) -> int | None:
+        """Tokens this step's new prompts may take (None: no limit but the budget)."""
+        if self.cost is None or self.cfg.decode_step_target_ms <= 0:
+            return None
+        if not any(r.streaming for r in self.running) and not any(r.streaming for r in self._waiting_ids.values()):
+            return None  # no client waits on this step for its next token
+        decoding = sum(1 for r in self.running if r.status is Status.RUNNING and r.num_pending == 1)
+        return self.cost.prefill_room(decoding, self.cfg.decode_step_target_ms / 1000)
+
+    def _cut(self, request: Request, n: int, pace: list[int] | None) -> int:
+        """`n` prefill tokens of `request`, cut to the step's pace: `pace` = [room left, new-prompt
+        tokens taken] (None: not paced). A streaming request's recomputation takes what it needs."""
+        if pace is None or request.streaming:
+            return n
+        room, fresh = pace
+        return min(n, max(room, self.cfg.prefill_floor_tokens - fresh))
+
+    @staticmethod
+    def _took(request: Request, n: int, pace: list[int] | None) -> None:
+        if pace is not None:
+            pace[0] -= n
+            pace[1] += 0 if request.streaming else n
+
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.cfg.max_num_batched_tokens
+        room = self._prefill_room()
+        pace = None if room is None else [room, 0]
         scheduled: set[str] = set()
         for request in sorted(self.running, key=lambda r: r.sort_key):
             if request.status is not Status.RUNNING or budget <= 0:
                 continue
             n = min(request.num_pending, self.cfg.max_prefill_chunk, budget)
-            if n == 1 and self._verify(request, budget, step):
+            if request.num_pending == 1 and self._verify(request, budget, step):
                 scheduled.add(request.request_id)
                 budget -= 1 + len(step.verifies[-1][1])
                 continue
+            prefill = request.num_pending > 1
+            if prefill:
+                n = self._cut(request, n, pace)
+                if n <= 0:
+                    continue
             while self.blocks.allocate(request.request_id, request.num_computed + n) is None:
                 victims = [r for r in self.running if r.request_id not in scheduled]
                 victim = max(victims, key=lambda r: r.sort_key)
@@ -145,12 +183,14 @@ class Scheduler:
                 continue
             scheduled.add(request.request_id)
             budget -= n
+            if prefill:
+                self._took(request, n, pace)
             if request.num_pending == 1:
                 step.decodes.append(request)
             else:
                 step.prefills.append((request, n))
 
-        deferred = []  # waiting for their KV to come back from the offload tier
+        deferred = []  # waiting for their KV to come back from the offload tier, or for prefill room
         while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             _, request = self._waiting[0]
             if request.request_id not in self._waiting_ids or request.status is not Status.WAITING:
@@ -163,6 +203,12 @@ class Scheduler:
                 continue
             cached = len(hits) * self.blocks.block_size
             n = min(request.num_tokens - cached, self.cfg.max_prefill_chunk, budget)
+            prefill = request.num_tokens - cached > 1
+            if prefill:
+                n = self._cut(request, n, pace)
+                if n <= 0:  # this step's new-prompt room is taken; a streaming one behind may still come in
+                    deferred.append(heapq.heappop(self._waiting))
+                    continue
             if self.blocks.allocate(request.request_id, cached + n, prefix=hits) is None:
                 break
             heapq.heappop(self._waiting)
@@ -176,6 +222,8 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             budget -= n
+            if prefill:
+                self._took(request, n, pace)
             if request.num_pending == 1:
                 step.decodes.append(request)
             else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import gc
 import json
 import logging
@@ -35,6 +36,7 @@ from steadfast.protocol import WorkerForked, ZygoteReady, decode_to_zygote, enco
 from steadfast.worker import main as worker_main
 from steadfast.worker.engine import Engine, LoadedModel, load_model, private_arena
 from steadfast.worker.startup import since_process_start, trim_heap
+from steadfast.worker.step_cost import StepCost
 
 log = logging.getLogger("steadfast.zygote")
 
@@ -125,19 +127,23 @@ def serve(control: socket.socket, loaded: LoadedModel | None, cfg_json: str, wei
         control.send(encode(reply))
 
 
-def warm_up(cfg: Config, loaded: LoadedModel, folder: str) -> None:
+def warm_up(cfg: Config, loaded: LoadedModel, folder: str) -> StepCost:
     """A warm-up on an arena of its own (a few blocks, removed after): the kernels chosen, the caches
     made once here and inherited by every fork. On one thread (no parallel region before a fork); the
-    arena's background thread is waited for (no thread may be mid-call when the process forks)."""
+    arena's background thread is waited for (no thread may be mid-call when the process forks).
+    Returns what its steps cost: on one thread it errs long, so a fork's first prefill chunks beside
+    decodes err short, until its own steps correct it."""
     small = cfg.replace(cache={"num_blocks": 64, "kv_memory_mb": 0})
     arena = private_arena(small, loaded.model_cfg, os.path.join(folder, f"zygote-{os.getpid()}.kv"))
     try:
-        worker_main.warm_up(Engine(small, loaded, arena))
+        engine = Engine(small, loaded, arena)
+        worker_main.warm_up(engine)
     finally:
         arena.unlink()
     for thread in threading.enumerate():
         if thread is not threading.main_thread():
             thread.join(timeout=10)
+    return engine.scheduler.cost
 
 
 def main() -> None:
@@ -155,7 +161,7 @@ def main() -> None:
     # zygote saves each worker its imports only.
     loaded = load_model(cfg, args.weights_dir) if cfg.model.resolved_device == "cpu" else None
     if loaded is not None:
-        warm_up(cfg, loaded, args.weights_dir)
+        loaded = dataclasses.replace(loaded, step_cost=warm_up(cfg, loaded, args.weights_dir))
     gc.collect()
     trim_heap()
     gc.freeze()  # what is built now is never collected: the collector would dirty its shared pages

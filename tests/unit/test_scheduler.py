@@ -9,6 +9,7 @@ from steadfast.kv.block_manager import BlockManager
 from steadfast.protocol import SamplingParams
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import Scheduler
+from steadfast.worker.step_cost import StepCost
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +66,82 @@ def test_preemption_takes_the_lowest_priority_latest_request():
     assert {r.request_id for r in step.decodes} == {"a", "b"}
     assert c.num_computed == 0 and s.num_waiting == 1 and c.output_ids == [1]
     bm.check_integrity()
+
+
+def timed_cost(base_ms: float, per_token_ms: float) -> StepCost:
+    """A cost model that has seen steps of 1 to 200 tokens take base + per_token × tokens."""
+    cost = StepCost()
+    for _ in range(5):
+        for n in (1, 50, 100, 200):
+            cost.observe(n, (base_ms + per_token_ms * n) / 1000)
+    return cost
+
+
+def test_step_cost_fits_the_line_and_follows_a_change():
+    cost = StepCost()
+    assert cost.line() is None
+    for _ in range(30):
+        cost.observe(4, 0.05)
+    assert cost.line() is None  # steps of one size tell nothing of the slope
+    cost = timed_cost(40, 2)
+    base, per_token = cost.line()
+    assert base == pytest.approx(0.040) and per_token == pytest.approx(0.002)
+    assert cost.prefill_room(decode_tokens=5, target_s=0.25) == 100  # (250 - 40) / 2 - 5
+    for _ in range(200):  # the machine got twice as slow per token
+        for n in (1, 100):
+            cost.observe(n, (40 + 4 * n) / 1000)
+    assert cost.line()[1] == pytest.approx(0.004, rel=0.01)
+
+
+def test_a_prefill_burst_is_spread_over_steps_while_others_decode():
+    cfg = SchedulerConfig(max_num_batched_tokens=512, decode_step_target_ms=250, prefill_floor_tokens=16)
+    s = Scheduler(cfg, BlockManager(256, 4, False))
+    s.cost = timed_cost(40, 2)  # 250 ms leaves room for 105 tokens, less the decodes'
+    s.add(req("streaming", 8))
+    finish_step(s.schedule())  # alone: its whole prompt, no stream waits on this step
+    for i in range(3):
+        s.add(req(f"new{i}", 60))
+    step = s.schedule()
+    assert [r.request_id for r in step.decodes] == ["streaming"]
+    assert [(r.request_id, n) for r, n in step.prefills] == [("new0", 60), ("new1", 44)]
+    finish_step(step)
+    step = s.schedule()
+    assert [(r.request_id, n) for r, n in step.prefills] == [("new1", 16), ("new2", 60)]
+    s.cost = timed_cost(240, 2)  # decodes alone nearly take the target: prefills still get the floor
+    finish_step(step)
+    s.add(req("late", 40))
+    step = s.schedule()
+    assert [(r.request_id, n) for r, n in step.prefills] == [("late", 16)]
+    assert len(step.decodes) == 4
+
+
+def test_without_decodes_or_a_target_prefill_takes_the_whole_budget():
+    for target in (250, 0):
+        cfg = SchedulerConfig(max_num_batched_tokens=512, decode_step_target_ms=target)
+        s = Scheduler(cfg, BlockManager(256, 4, False))
+        s.cost = timed_cost(40, 2)
+        for i in range(3):
+            s.add(req(f"p{i}", 150))
+        assert [n for _, n in s.schedule().prefills] == [150, 150, 150]
+
+
+def test_a_taken_over_stream_is_not_cut_nor_kept_waiting_behind_new_prompts():
+    """A new owner's first step: nothing decodes yet, but a taken-over request's client is streaming.
+    New prompts share the room; its recomputation takes what it needs, though it arrived last."""
+    cfg = SchedulerConfig(max_num_batched_tokens=512, decode_step_target_ms=100, prefill_floor_tokens=16)
+    s = Scheduler(cfg, BlockManager(256, 4, False))
+    s.cost = timed_cost(40, 2)  # room for 30 tokens
+    fresh = [req(f"fresh{i}", 60) for i in range(2)]
+    resumed = req("resumed", 20)
+    resumed.output_ids = [7, 8]
+    for r in (*fresh, resumed):
+        s.add(r)
+    step = s.schedule()
+    assert [(r.request_id, n) for r, n in step.prefills] == [("fresh0", 30), ("resumed", 22)]
+    assert s.num_waiting == 1  # fresh1: next step
+    # Without a streaming client anywhere, nothing is paced.
+    s = Scheduler(cfg, BlockManager(256, 4, False))
+    s.cost = timed_cost(40, 2)
+    for r in [req(f"fresh{i}", 60) for i in range(2)]:
+        s.add(r)
+    assert [n for _, n in s.schedule().prefills] == [60, 60]
