@@ -2,10 +2,12 @@
 acceptance rate and tokens per request-step, at concurrency 1 and 16, on repetitive work (editing,
 renaming, reformatting a given text or code: the answer repeats much of the prompt) and on free text.
 
-One loaded model; per round and concurrency a fresh engine per mode, modes alternating which goes
-first. Concurrency 1: the workload's prompts one after another; 16: sixteen requests at once (the
-prompts repeated). Greedy, `--max-tokens` each, EOS honoured (both modes produce the same tokens, which
-the benchmark checks). The figure is the ratio of the two modes' medians over the rounds.
+One loaded model; per round and concurrency a fresh engine per mode. Concurrency 1: the workload's
+prompts one after another, each prompt run in both modes back to back (which goes first alternating):
+this machine's speed drifts by 20-30 % over tens of seconds, and pairing each prompt's two runs in time
+keeps the drift out of the ratio. 16: sixteen requests at once (the prompts repeated), the modes
+alternating which goes first per round. Greedy, `--max-tokens` each, EOS honoured (both modes produce
+the same tokens, which the benchmark checks). The figure is the ratio of the two modes' medians over the rounds.
 
     python benchmarks/bench_speculative.py --rounds 3
 """
@@ -80,6 +82,20 @@ WORKLOADS = {
 }
 
 
+def run_paired(engines: dict[str, Engine], loaded: LoadedModel, prompts: list[str], max_tokens: int) -> dict:
+    """Concurrency 1, each prompt in every mode back to back (which first alternating): per mode, what
+    `run` returns."""
+    out = {m: {"seconds": 0.0, "tokens": [], "output_tokens": 0} for m in engines}
+    for i, prompt in enumerate(prompts):
+        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+        for mode in order:
+            r = run(engines[mode], loaded, [prompt], 1, max_tokens)
+            out[mode]["seconds"] += r["seconds"]
+            out[mode]["tokens"] += r["tokens"]
+            out[mode]["output_tokens"] += r["output_tokens"]
+    return out
+
+
 def run(engine: Engine, loaded: LoadedModel, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
     reqs = [
         AddRequest(
@@ -125,13 +141,18 @@ def main() -> None:
                 rows[key] = {m: [] for m in modes}
                 for rnd in range(args.rounds):
                     order = list(modes) if rnd % 2 == 0 else list(modes)[::-1]
-                    got = {}
+                    engines = {}
                     for mode in order:
                         cfg = modes[mode]
                         engine = Engine(cfg, loaded, private_arena(cfg, loaded.model_cfg, f"{shm}/{mode}.kv"))
                         engine.generate([AddRequest("warm", [1, 2, 3, 4], SamplingParams(2, 0.0))])
-                        r = run(engine, loaded, WORKLOADS[workload], c, args.max_tokens)
-                        s = engine.spec
+                        engines[mode] = engine
+                    if c == 1:
+                        got = run_paired(engines, loaded, WORKLOADS[workload], args.max_tokens)
+                    else:
+                        got = {m: run(engines[m], loaded, WORKLOADS[workload], c, args.max_tokens) for m in order}
+                    for mode, r in got.items():
+                        s = engines[mode].spec
                         r |= {
                             "tok_s": r["output_tokens"] / r["seconds"],
                             "acceptance": s.acceptance_rate,
@@ -139,8 +160,7 @@ def main() -> None:
                             "drafted": s.drafted,
                             "row_cost": s.row_cost,
                         }
-                        got[mode] = r
-                        engine.arena.unlink()
+                        engines[mode].arena.unlink()
                     if got["off"]["tokens"] != got["ngram"]["tokens"]:
                         raise SystemExit(f"{key}: outputs differ with speculation on and off")
                     for mode, r in got.items():

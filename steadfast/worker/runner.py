@@ -106,15 +106,18 @@ class ModelRunner:
             sample_rows.append(len(tokens) - 1)
             samplers.append(request)
         groups: list[DecodeGroup] | PagedDecodes = []
-        if self.paged and tables:
+        verifies = None
+        if self.paged and (tables or step.verifies):
+            # A verifying request's rows are decode rows to the kernel, each attending up to its own
+            # position: attended as a plain decode is, whatever the number of drafts beside it.
+            self._verify_rows(step.verifies, tokens, positions, slots, sample_rows, samplers, tables)
             groups = self._paged(tables, positions)
         else:
             first = 0
             for count in split_by_width([len(t) for t in tables], self.max_groups):
                 groups.append(self._decode_group(tables[first : first + count], positions[first : first + count]))
                 first += count
-
-        verifies = self._verifies(step.verifies, tokens, positions, slots, sample_rows, samplers)
+            verifies = self._verifies(step.verifies, tokens, positions, slots, sample_rows, samplers)
 
         chunks = []
         for request, n in step.prefills:
@@ -142,6 +145,32 @@ class ModelRunner:
         )
         return logits.cpu(), samplers  # sampling runs on the CPU: per-request seeded generators live there
 
+    def _verify_rows(
+        self,
+        verifies: list[tuple[Request, list[int]]],
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        sample_rows: list[int],
+        samplers: list[Request],
+        tables: list[list[int]],
+    ) -> None:
+        """Each verifying request's last token and drafts, appended to the flat batch, every row
+        sampled (row i checks draft i; the last yields the token after all drafts), and each row's
+        block table to `tables`."""
+        bs = self.block_size
+        for request, drafts in verifies:
+            pos0 = request.num_computed
+            table = self.blocks.block_table(request.request_id)
+            for j, token in enumerate([request.all_ids[pos0], *drafts]):
+                pos = pos0 + j
+                tokens.append(token)
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                sample_rows.append(len(tokens) - 1)
+                samplers.append(request)
+                tables.append(table[: pos // bs + 1])
+
     def _verifies(
         self,
         verifies: list[tuple[Request, list[int]]],
@@ -151,29 +180,22 @@ class ModelRunner:
         sample_rows: list[int],
         samplers: list[Request],
     ) -> VerifyGroup | None:
-        """Each verifying request's last token and drafts, appended to the flat batch, every row
-        sampled (row i checks draft i; the last yields the token after all drafts); and the group that
-        attends them all at once."""
+        """The verifying requests' rows appended (`_verify_rows`), and the group that attends them all
+        at once on the torch path."""
         if not verifies:
             return None
         bs = self.block_size
+        first = len(tokens)
+        self._verify_rows(verifies, tokens, positions, slots, sample_rows, samplers, [])
         width = 1 + max(len(d) for _, d in verifies)
         tables, queries, real, limits = [], [], [], []
         for i, (request, drafts) in enumerate(verifies):
-            start, pos0 = len(tokens), request.num_computed
-            table = self.blocks.block_table(request.request_id)
-            for j, token in enumerate([request.all_ids[pos0], *drafts]):
-                pos = pos0 + j
-                tokens.append(token)
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-                sample_rows.append(len(tokens) - 1)
-                samplers.append(request)
-                real.append(i * width + j)
-            last = len(drafts)
-            queries += [start + min(j, last) for j in range(width)]
+            pos0, last = request.num_computed, len(drafts)
+            real += [i * width + j for j in range(last + 1)]
+            queries += [first + min(j, last) for j in range(width)]
             limits += [pos0 + min(j, last) for j in range(width)]  # the last position row j attends
-            tables.append(table[: (pos0 + last) // bs + 1])
+            tables.append(self.blocks.block_table(request.request_id)[: (pos0 + last) // bs + 1])
+            first += last + 1
         most = max(len(t) for t in tables)
         rows = self._rows([b for t in tables for b in (*t, *([0] * (most - len(t))))])
         cols = torch.arange(most * bs, device=self.device)
@@ -196,7 +218,7 @@ class ModelRunner:
         return DecodeGroup(len(tables), rows, pad.view(1, len(tables), 1, -1))
 
     def _paged(self, tables: list[list[int]], positions: list[int]) -> PagedDecodes:
-        width = len(tables[0])  # the longest: rows are sorted
+        width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         return PagedDecodes(
             len(tables),

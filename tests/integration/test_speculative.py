@@ -37,14 +37,27 @@ def run(cfg, loaded, make_engine, params_of):
     return {rid: [t for o in outs for t in o.token_ids] for rid, outs in out.items()}, engine
 
 
+GREEDY = lambda i: SamplingParams(36, 0.0, ignore_eos=True)  # noqa: E731
+SEEDED = lambda i: SamplingParams(36, 0.8, top_p=0.95, seed=100 + i, ignore_eos=True)  # noqa: E731
+
+
 @pytest.mark.parametrize(
-    "params_of",
+    ("params_of", "attention"),
     [
-        pytest.param(lambda i: SamplingParams(36, 0.0, ignore_eos=True), id="greedy"),
-        pytest.param(lambda i: SamplingParams(36, 0.8, top_p=0.95, seed=100 + i, ignore_eos=True), id="seeded"),
+        pytest.param(GREEDY, "kernel", id="greedy"),
+        pytest.param(SEEDED, "kernel", id="seeded"),
+        pytest.param(GREEDY, "torch", id="greedy-torch-attention"),
     ],
 )
-def test_outputs_are_the_same_with_speculation_on_and_off(fp32_config, fp32_model, make_engine, params_of):
+def test_outputs_are_the_same_with_speculation_on_and_off(
+    fp32_config, fp32_model, make_engine, params_of, attention, monkeypatch
+):
+    """Verification rows go through the decode kernel where it runs (each row a decode of its own
+    position), else through torch's batched verification group: both checked."""
+    if attention == "torch":
+        monkeypatch.setattr(fp32_model.model, "paged", None)
+    elif fp32_model.model.paged is None:
+        pytest.skip("the paged-attention kernel does not run here (no AVX-512 or no C compiler)")
     off, plain = run(fp32_config, fp32_model, make_engine, params_of)
     on_cfg = fp32_config.replace(speculative={"method": "ngram", "num_draft_tokens": 4})
     on, spec = run(on_cfg, fp32_model, make_engine, params_of)
