@@ -15,6 +15,7 @@ the same tokens, which the benchmark checks). The figure is the ratio of the two
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -161,6 +162,10 @@ def main() -> None:
                             "row_cost": s.row_cost,
                         }
                         engines[mode].arena.unlink()
+                    # The engines hold their arenas mapped until collected (they are in reference cycles):
+                    # left to the collector, a run's arenas pile up in /dev/shm, up to most of the RAM.
+                    del engines, engine
+                    gc.collect()
                     if got["off"]["tokens"] != got["ngram"]["tokens"]:
                         raise SystemExit(f"{key}: outputs differ with speculation on and off")
                     for mode, r in got.items():
