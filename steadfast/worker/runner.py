@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +26,26 @@ from steadfast.worker.scheduler import ScheduledStep
 # per layer against the gathers and matmuls a padding block adds); measured on CPU, see BENCHMARKS.md.
 GROUP_COST_BLOCKS = 64
 MAX_DISTINCT = 32
+
+
+@dataclass
+class FlatBatch:
+    """The step's tokens in model order, where each one's KV goes, and the rows sampled (for whom)."""
+
+    block_size: int
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    samplers: list[Request] = field(default_factory=list)
+
+    def add(self, token: int, pos: int, table: list[int], sampled_for: Request | None) -> None:
+        self.tokens.append(token)
+        self.positions.append(pos)
+        self.slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        if sampled_for is not None:
+            self.sample_rows.append(len(self.tokens) - 1)
+            self.samplers.append(sampled_for)
 
 
 def split_by_width(widths: list[int], max_groups: int, group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
@@ -87,11 +108,7 @@ class ModelRunner:
         request has a row per draft and one more, consecutive). `on_layer(i)` is called once layer i's
         K/V of the whole batch is in the arena."""
         bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        samplers: list[Request] = []
-        sample_rows: list[int] = []
+        flat = FlatBatch(bs)
 
         # Longest context first, so that each decode group is a run of consecutive rows.
         decodes = sorted(step.decodes, key=lambda r: r.num_computed, reverse=True)
@@ -99,94 +116,65 @@ class ModelRunner:
         for request in decodes:
             pos = request.num_computed
             table = self.blocks.block_table(request.request_id)
-            tokens.append(request.all_ids[pos])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            flat.add(request.all_ids[pos], pos, table, request)
             tables.append(table[: pos // bs + 1])
-            sample_rows.append(len(tokens) - 1)
-            samplers.append(request)
         groups: list[DecodeGroup] | PagedDecodes = []
         verifies = None
         if self.paged and (tables or step.verifies):
             # A verifying request's rows are decode rows to the kernel, each attending up to its own
             # position: attended as a plain decode is, whatever the number of drafts beside it.
-            self._verify_rows(step.verifies, tokens, positions, slots, sample_rows, samplers, tables)
-            groups = self._paged(tables, positions)
+            self._verify_rows(step.verifies, flat, tables)
+            groups = self._paged(tables, flat.positions)
         else:
             first = 0
             for count in split_by_width([len(t) for t in tables], self.max_groups):
-                groups.append(self._decode_group(tables[first : first + count], positions[first : first + count]))
+                positions = flat.positions[first : first + count]
+                groups.append(self._decode_group(tables[first : first + count], positions))
                 first += count
-            verifies = self._verifies(step.verifies, tokens, positions, slots, sample_rows, samplers)
+            verifies = self._verifies(step.verifies, flat)
 
         chunks = []
         for request, n in step.prefills:
-            start, pos0 = len(tokens), request.num_computed
+            start, pos0 = len(flat.tokens), request.num_computed
             table = self.blocks.block_table(request.request_id)
             ids = request.all_ids
-            for pos in range(pos0, pos0 + n):
-                tokens.append(ids[pos])
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
             context = pos0 + n
+            for pos in range(pos0, context):
+                # The prompt fully computed: its last row yields a token.
+                last = pos == context - 1 and context == request.num_tokens
+                flat.add(ids[pos], pos, table, request if last else None)
             chunks.append(PrefillChunk(start, n, context, self._rows(table[: -(-context // bs)])))
-            if context == request.num_tokens:  # prompt fully computed: its last row yields a token
-                sample_rows.append(len(tokens) - 1)
-                samplers.append(request)
 
-        batch = AttentionBatch(slots=self._tensor(slots), decodes=groups, prefills=chunks, verifies=verifies)
+        batch = AttentionBatch(slots=self._tensor(flat.slots), decodes=groups, prefills=chunks, verifies=verifies)
         logits = self.model.forward(
-            self._tensor(tokens),
-            self._tensor(positions),
+            self._tensor(flat.tokens),
+            self._tensor(flat.positions),
             batch,
             self.arena,
-            self._tensor(sample_rows),
+            self._tensor(flat.sample_rows),
             on_layer,
         )
-        return logits.cpu(), samplers  # sampling runs on the CPU: per-request seeded generators live there
+        return logits.cpu(), flat.samplers  # sampling runs on the CPU: per-request seeded generators live there
 
-    def _verify_rows(
-        self,
-        verifies: list[tuple[Request, list[int]]],
-        tokens: list[int],
-        positions: list[int],
-        slots: list[int],
-        sample_rows: list[int],
-        samplers: list[Request],
-        tables: list[list[int]],
-    ) -> None:
+    def _verify_rows(self, verifies: list[tuple[Request, list[int]]], flat: FlatBatch, tables: list[list[int]]) -> None:
         """Each verifying request's last token and drafts, appended to the flat batch, every row
         sampled (row i checks draft i; the last yields the token after all drafts), and each row's
         block table to `tables`."""
-        bs = self.block_size
         for request, drafts in verifies:
             pos0 = request.num_computed
             table = self.blocks.block_table(request.request_id)
             for j, token in enumerate([request.all_ids[pos0], *drafts]):
-                pos = pos0 + j
-                tokens.append(token)
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-                sample_rows.append(len(tokens) - 1)
-                samplers.append(request)
-                tables.append(table[: pos // bs + 1])
+                flat.add(token, pos0 + j, table, request)
+                tables.append(table[: (pos0 + j) // self.block_size + 1])
 
-    def _verifies(
-        self,
-        verifies: list[tuple[Request, list[int]]],
-        tokens: list[int],
-        positions: list[int],
-        slots: list[int],
-        sample_rows: list[int],
-        samplers: list[Request],
-    ) -> VerifyGroup | None:
+    def _verifies(self, verifies: list[tuple[Request, list[int]]], flat: FlatBatch) -> VerifyGroup | None:
         """The verifying requests' rows appended (`_verify_rows`), and the group that attends them all
         at once on the torch path."""
         if not verifies:
             return None
         bs = self.block_size
-        first = len(tokens)
-        self._verify_rows(verifies, tokens, positions, slots, sample_rows, samplers, [])
+        first = len(flat.tokens)
+        self._verify_rows(verifies, flat, [])
         width = 1 + max(len(d) for _, d in verifies)
         tables, queries, real, limits = [], [], [], []
         for i, (request, drafts) in enumerate(verifies):
