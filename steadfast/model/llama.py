@@ -114,9 +114,10 @@ class DecodeGroup:
 
 @dataclass
 class PagedDecodes:
-    """Decode tokens the kernel attends in place: no gather, no padding."""
+    """Decode rows the kernel attends in place, no gather, no padding: one per decoding request, then
+    one per verified position (each attending up to its own position)."""
 
-    count: int  # requests (one token each), the first rows of the flat batch
+    count: int  # rows, the first of the flat batch
     tables: torch.Tensor  # int32 [count, max_blocks] block tables (entries past a context are not read)
     lens: torch.Tensor  # int32 [count] tokens attended, the new one included
 

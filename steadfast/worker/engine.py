@@ -308,11 +308,13 @@ class Engine:
         if self.sync is not None:
             self.sync.before_execute(self.blocks)
         hook = self.kv.layer_hook(scheduled)
+        timed = True
         try:
             t1 = time.perf_counter()
             samplers, tokens = self._compute(scheduled, hook)
             self.spec.time_step(scheduled, time.perf_counter() - t1)
         except Exception as failure:
+            timed = False  # the step's time is the failed try's and the probes': not a step's cost
             isolated = self._isolate(scheduled, hook, outputs, failure)
             if isolated is None:
                 return outputs
@@ -332,7 +334,8 @@ class Engine:
         for request in self.kv.after_step():
             self._let_go(request)
         seconds = time.perf_counter() - t0
-        self.scheduler.cost.observe(scheduled.num_tokens, seconds)
+        if timed:
+            self.scheduler.cost.observe(scheduled.num_tokens, seconds)
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += seconds
         self.last_step_end = time.monotonic()

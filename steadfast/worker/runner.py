@@ -124,7 +124,7 @@ class ModelRunner:
             # A verifying request's rows are decode rows to the kernel, each attending up to its own
             # position: attended as a plain decode is, whatever the number of drafts beside it.
             self._verify_rows(step.verifies, flat, tables)
-            groups = self._paged(tables, flat.positions)
+            groups = self._paged(tables, flat.positions[: len(tables)])
         else:
             first = 0
             for count in split_by_width([len(t) for t in tables], self.max_groups):

@@ -166,6 +166,8 @@ class Scheduler:
             if request.num_pending == 1 and self._verify(request, budget, step):
                 scheduled.add(request.request_id)
                 budget -= 1 + len(step.verifies[-1][1])
+                if pace is not None:
+                    pace[0] -= len(step.verifies[-1][1])  # its drafts lengthen the step as prefill tokens do
                 continue
             prefill = request.num_pending > 1
             if prefill:
@@ -195,6 +197,9 @@ class Scheduler:
             _, request = self._waiting[0]
             if request.request_id not in self._waiting_ids or request.status is not Status.WAITING:
                 heapq.heappop(self._waiting)  # stale entry of a removed request
+                continue
+            if pace is not None and not request.streaming and self._cut(request, 1, pace) <= 0:
+                deferred.append(heapq.heappop(self._waiting))  # no room for new prompts: not even looked up
                 continue
             own = request.num_preemptions > 0 or request.recovery is not None
             hits = self.blocks.match_prefix(request.all_ids, own)

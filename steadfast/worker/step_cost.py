@@ -18,6 +18,7 @@ MIN_SPREAD = 8.0
 class StepCost:
     def __init__(self) -> None:
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._trusted: tuple[float, float] | None = None  # the last line fitted on steps of varied sizes
 
     def observe(self, tokens: int, seconds: float) -> None:
         keep = 1.0 - FORGET
@@ -26,19 +27,23 @@ class StepCost:
         self._t = keep * self._t + FORGET * seconds
         self._nn = keep * self._nn + FORGET * tokens * tokens
         self._nt = keep * self._nt + FORGET * tokens * seconds
-
-    def line(self) -> tuple[float, float] | None:
-        """(base seconds, seconds per token), or None until steps of different sizes were seen."""
-        if self._w == 0.0:
-            return None
         mean_n, mean_t = self._n / self._w, self._t / self._w
         var = self._nn / self._w - mean_n * mean_n
-        if var < MIN_SPREAD * MIN_SPREAD:
-            return None
-        slope = (self._nt / self._w - mean_n * mean_t) / var
-        if slope <= 0.0:
-            return None
-        return max(0.0, mean_t - slope * mean_n), slope
+        if var >= MIN_SPREAD * MIN_SPREAD:
+            slope = (self._nt / self._w - mean_n * mean_t) / var
+            if slope > 0.0:
+                self._trusted = (max(0.0, mean_t - slope * mean_n), slope)
+                return
+        if self._trusted is not None:
+            # Steps of one size tell nothing of the slope: the last one stands, the line through them.
+            slope = self._trusted[1]
+            self._trusted = (max(0.0, mean_t - slope * mean_n), slope)
+
+    def line(self) -> tuple[float, float] | None:
+        """(base seconds, seconds per token), or None until steps of different sizes were seen. After a
+        run of same-size steps (a quiet spell of decodes) the last line fitted on varied steps stands:
+        the burst that ends the spell is what it is for."""
+        return self._trusted
 
     def prefill_room(self, decode_tokens: int, target_s: float) -> int | None:
         """Prefill tokens that fit beside `decode_tokens` in a step of `target_s` (None: not known yet;

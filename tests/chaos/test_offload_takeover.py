@@ -97,7 +97,11 @@ def test_a_killed_workers_offloaded_kv_is_adopted_from_the_tier(tier, tmp_path, 
                 return None
             w = mixed[0]
             os.kill(w["pid"], signal.SIGSTOP)
-            tier_only = only_in_tier(f"worker{w['id']}")
+            try:
+                tier_only = only_in_tier(f"worker{w['id']}")
+            except BaseException:
+                os.kill(w["pid"], signal.SIGCONT)
+                raise
             if tier_only:
                 return w, tier_only
             os.kill(w["pid"], signal.SIGCONT)

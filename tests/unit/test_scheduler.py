@@ -145,3 +145,20 @@ def test_a_taken_over_stream_is_not_cut_nor_kept_waiting_behind_new_prompts():
     for r in [req(f"fresh{i}", 60) for i in range(2)]:
         s.add(r)
     assert [n for _, n in s.schedule().prefills] == [60, 60]
+
+
+def test_the_line_outlives_a_quiet_spell_and_drafts_take_room():
+    cost = timed_cost(40, 2)
+    for _ in range(200):  # a long run of same-size decode steps: no spread left to fit on
+        cost.observe(3, 0.046)
+    assert cost.line() == pytest.approx((0.040, 0.002))  # the burst after it is still paced
+    cfg = SchedulerConfig(max_num_batched_tokens=512, decode_step_target_ms=250, prefill_floor_tokens=16)
+    for drafts, room in (([], 104), ([9, 9, 9, 9], 100)):
+        s = Scheduler(cfg, BlockManager(256, 4, False), drafter=lambda r, budget, d=drafts: list(d))
+        s.cost = timed_cost(40, 2)
+        s.add(req("streaming", 8))
+        finish_step(s.schedule())
+        s.add(req("new", 150))
+        step = s.schedule()
+        assert [len(d) for _, d in step.verifies] == ([4] if drafts else [])
+        assert [(r.request_id, n) for r, n in step.prefills] == [("new", room)]  # 105 - 1 decode - drafts
