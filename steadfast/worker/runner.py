@@ -156,16 +156,19 @@ class ModelRunner:
         )
         return logits.cpu(), flat.samplers  # sampling runs on the CPU: per-request seeded generators live there
 
-    def _verify_rows(self, verifies: list[tuple[Request, list[int]]], flat: FlatBatch, tables: list[list[int]]) -> None:
+    def _verify_rows(
+        self, verifies: list[tuple[Request, list[int]]], flat: FlatBatch, tables: list[list[int]] | None = None
+    ) -> None:
         """Each verifying request's last token and drafts, appended to the flat batch, every row
         sampled (row i checks draft i; the last yields the token after all drafts), and each row's
-        block table to `tables`."""
+        block table to `tables` if given (the kernel's rows)."""
         for request, drafts in verifies:
             pos0 = request.num_computed
             table = self.blocks.block_table(request.request_id)
             for j, token in enumerate([request.all_ids[pos0], *drafts]):
                 flat.add(token, pos0 + j, table, request)
-                tables.append(table[: (pos0 + j) // self.block_size + 1])
+                if tables is not None:
+                    tables.append(table[: (pos0 + j) // self.block_size + 1])
 
     def _verifies(self, verifies: list[tuple[Request, list[int]]], flat: FlatBatch) -> VerifyGroup | None:
         """The verifying requests' rows appended (`_verify_rows`), and the group that attends them all
@@ -174,7 +177,7 @@ class ModelRunner:
             return None
         bs = self.block_size
         first = len(flat.tokens)
-        self._verify_rows(verifies, flat, [])
+        self._verify_rows(verifies, flat)
         width = 1 + max(len(d) for _, d in verifies)
         tables, queries, real, limits = [], [], [], []
         for i, (request, drafts) in enumerate(verifies):
