@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from steadfast.control.admin_ladder import add_degradation_routes
 from steadfast.control.admin_moves import add_migration_routes
 from steadfast.control.engine_client import EngineDeadError
 from steadfast.control.errors import (
@@ -29,9 +30,10 @@ from steadfast.control.errors import (
 )
 from steadfast.control.guard import Guard, GuardConfig
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
-from steadfast.control.serving import ServingContext, check_model, prepare
+from steadfast.control.serving import ServingContext, admit, check_model
 from steadfast.control.streams import respond, stream_chat, stream_completion
 from steadfast.control.tags import request_tag
+from steadfast.control.truncate import cut_chat, cut_prompt
 
 # What every route may answer besides its 200, documented so clients (and schemathesis) know it.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -42,9 +44,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (403, "not allowed (admin route from a non-loopback client; wrong resume token)"),
         (404, "unknown model or request"),
         (413, "request body over server.max_body_bytes"),
-        (429, "over a limit (pending requests, connections); see Retry-After"),
+        (429, "over a limit (pending, connections, a priority's queue) or refused by the ladder; see Retry-After"),
         (500, "the engine failed this request"),
-        (503, "no worker ready; see Retry-After"),
+        (503, "no worker ready, or the degradation ladder's circuit breaker is open; see Retry-After"),
     )
 }
 # A completion is one JSON body, or an SSE stream when `stream` is true.
@@ -181,6 +183,8 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "step_tokens": s.step_tokens if s else 0.0,
                     "step_base_ms": s.step_base_ms if s else 0.0,  # its measured step cost: base + per token
                     "step_token_ms": s.step_token_ms if s else 0.0,
+                    "degradation_level": s.degradation_level if s else 0,  # the ladder's orders it follows
+                    "ladder_swaps": s.ladder_swaps if s else 0,  # running requests it swapped out for L3
                     "spec_drafted": s.spec_drafted if s else 0,
                     "spec_accepted": s.spec_accepted if s else 0,
                     "tokens_per_step": s.tokens_per_step if s else 0.0,
@@ -197,6 +201,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
         return rows
 
     add_migration_routes(app, ctx)
+    add_degradation_routes(app, ctx)
 
     @app.get("/admin/takeovers")
     async def admin_takeovers() -> list[dict[str, Any]]:
@@ -254,7 +259,11 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 raise APIError(f"Token ids in 'prompt' must be in [0, {ctx.tokenizer.vocab_size}).", param="prompt")
         ensure_ready()
         ctx.check_pending()
-        prepared = prepare(ctx, body, ids, body.max_tokens, "cmpl")
+
+        async def cut(cap: int) -> tuple[list[int], int]:
+            return cut_prompt(ids, cap, ctx.tokenizer.info.bos_token_id), 0
+
+        prepared = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut)
 
         def choice(text: str) -> dict[str, Any]:
             return {"index": 0, "text": text, "logprobs": None}
@@ -275,7 +284,11 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
         ids = await tokenized(ctx, "messages", ctx.tokenizer.encode_chat, messages)
         ensure_ready()
         ctx.check_pending()
-        prepared = prepare(ctx, body, ids, body.token_limit, "chatcmpl")
+
+        async def cut(cap: int) -> tuple[list[int], int]:
+            return await ctx.off_loop(cut_chat, messages, cap, ctx.tokenizer.encode_chat)
+
+        prepared = await admit(ctx, body, ids, body.token_limit, "chatcmpl", cut)
 
         def choice(text: str) -> dict[str, Any]:
             return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}

@@ -124,6 +124,15 @@ class EngineClient:
         """Requests admitted and not finished (their streams still open)."""
         return len(self._flights)
 
+    def flights(self) -> list[Flight]:
+        """Every request in flight (admitted, stream open)."""
+        return list(self._flights.values())
+
+    async def broadcast(self, message: msgspec.Struct) -> None:
+        """Send `message` to every worker not dead (standbys and draining ones too)."""
+        for w in [w for w in self.registry if not w.dead]:
+            await self._send(w, message)
+
     def end_all(self, why: str) -> int:
         """End every stream in flight with an error event saying `why` (shutdown past its timeout); the
         requests are aborted on their workers as each stream closes. Returns how many were ended."""

@@ -15,6 +15,7 @@ import uvicorn
 from steadfast import env
 from steadfast.config import config_from_dict
 from steadfast.control.api import create_app
+from steadfast.control.degrade import Degradation, Sources
 from steadfast.control.engine_client import EngineClient
 from steadfast.control.guard import GuardConfig
 from steadfast.control.metrics import Metrics
@@ -65,6 +66,16 @@ async def serve(
         signer=ResumeSigner(env.resume_key()),
         limits=Limits(srv.max_messages, srv.max_prompt_chars, srv.max_pending_requests),
     )
+    ctx.degradation = Degradation(
+        cfg.degradation,
+        cfg.slo,
+        cfg.scheduler,
+        cfg.cache.block_size,
+        Sources(client.registry, client.flights, client.broadcast),
+        on_change=ctx.metrics.level_changed,
+        on_refuse=ctx.metrics.refused,
+    )
+    ladder = asyncio.create_task(ctx.degradation.run())
     client.on_handoff = ctx.metrics.handoff
     client.on_migration = ctx.metrics.migration
     shutdown = Shutdown()
@@ -86,9 +97,10 @@ async def serve(
     try:
         await server.serve()
     finally:
-        drain.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await drain
+        for task in (drain, ladder):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await client.close()
 
 

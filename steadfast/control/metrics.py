@@ -7,8 +7,9 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from steadfast.control.ladder import LevelChange
 from steadfast.control.migration import MigrationRecord
-from steadfast.protocol import Handoff
+from steadfast.protocol import Handoff, Priority
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -165,6 +166,21 @@ class Metrics:
             "Tokens both the old and the new owner of a migrated request produced, differently (should be 0)",
             registry=r,
         )
+        self.degradation_level = Gauge(
+            "steadfast_degradation_level",
+            "The degradation ladder's level: 0 full service, 1 admission control, 2 speculation off, "
+            "3 low-priority KV offloaded, 4 new requests shortened, 5 circuit breaker",
+            registry=r,
+        )
+        self.degradation_changes = Counter(
+            "steadfast_degradation_changes", "Degradation level changes, up or down", ["direction"], registry=r
+        )
+        self.degradation_refused = Counter(
+            "steadfast_degradation_refused",
+            "New requests refused by the degradation ladder or their priority's queue bound, by status",
+            ["priority", "status"],
+            registry=r,
+        )
         self._window: deque[tuple[float, int]] = deque()
         self.queue_depth.set_function(lambda: self._awaiting_first)
         self.tokens_per_second.set_function(self._rate)
@@ -199,6 +215,13 @@ class Metrics:
             self.migration_downtime.labels(path).observe(record.downtime_s)
         if record.gap_s is not None:
             self.migration_gap.labels(path).observe(record.gap_s)
+
+    def level_changed(self, change: LevelChange) -> None:
+        self.degradation_level.set(int(change.new))
+        self.degradation_changes.labels("up" if change.new > change.old else "down").inc()
+
+    def refused(self, priority: Priority, status: int) -> None:
+        self.degradation_refused.labels(priority.label, str(status)).inc()
 
     def request_started(self) -> None:
         self._awaiting_first += 1

@@ -8,18 +8,19 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from steadfast.control.degrade import Degradation, Notice
 from steadfast.control.engine_client import EngineClient
 from steadfast.control.errors import APIError
 from steadfast.control.metrics import Metrics
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.resume_token import ResumeSigner, body_digest
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.protocol import PRIORITIES, AddRequest, RequestOutput, SamplingParams
+from steadfast.protocol import PRIORITIES, AddRequest, Priority, RequestOutput, SamplingParams
 
 # Below this a temperature divides logits into overflow: it is greedy (as vLLM's sampling epsilon).
 GREEDY_BELOW = 1e-5
@@ -44,6 +45,7 @@ class ServingContext:
     created: int = 0
     signer: ResumeSigner = field(default_factory=ResumeSigner)
     limits: Limits = field(default_factory=Limits)
+    degradation: Degradation | None = None  # the ladder (control/degrade.py); None: no ladder (a bare router in tests)
     # Tokenizing and template rendering run here, never on the event loop that writes every stream.
     tokenize_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "tokenize"))
 
@@ -74,6 +76,43 @@ class Prepared:
     # A reconnect (Last-Event-ID): the client holds this many tokens and characters of text already.
     have_tokens: int = 0
     have_chars: int = 0
+    notice: Notice | None = None  # shortened by the degradation ladder: what the client is told
+
+
+# Shortens a prompt to a token cap: its ids and how many chat messages were dropped (truncate.py).
+Cutter = Callable[[int], Awaitable[tuple[list[int], int]]]
+
+
+async def admit(
+    ctx: ServingContext,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    prefix: str,
+    cut: Cutter,
+) -> Prepared:
+    """A new request through the degradation ladder (refused with 429/503, or shortened at L4), then
+    prepared. The ladder counts it as queued from here until its first token or its end."""
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    ladder = ctx.degradation
+    if ladder is None:
+        return prepare(ctx, body, prompt_ids, max_tokens, rid)
+    most = max_tokens if max_tokens is not None else ctx.max_model_len - len(prompt_ids)
+    plan = ladder.plan(rid, Priority[body.priority.upper()], len(prompt_ids), max(1, most))
+    try:
+        notice = Notice(int(plan.level)) if plan.level else None
+        if notice is not None and plan.context_cap and len(prompt_ids) > plan.context_cap:
+            before = len(prompt_ids)
+            prompt_ids, notice.dropped_messages = await cut(plan.context_cap)
+            notice.truncated_tokens = before - len(prompt_ids)
+        if notice is not None and plan.max_tokens_cap and (max_tokens is None or max_tokens > plan.max_tokens_cap):
+            max_tokens = notice.max_tokens = plan.max_tokens_cap
+        prepared = prepare(ctx, body, prompt_ids, max_tokens, rid)
+    except BaseException:
+        ladder.ended(rid)
+        raise
+    prepared.notice = notice
+    return prepared
 
 
 def prepare(
@@ -81,14 +120,14 @@ def prepare(
     body: CompletionRequest | ChatCompletionRequest,
     prompt_ids: list[int],
     max_tokens: int | None,
-    prefix: str,
+    rid: str,
 ) -> Prepared:
     limit = ctx.max_model_len
     if len(prompt_ids) >= limit:
         raise APIError(
             f"This model's maximum context length is {limit} tokens, but your prompt has {len(prompt_ids)} tokens. "
             "Please shorten the prompt.",
-            param="messages" if prefix == "chatcmpl" else "prompt",
+            param="messages" if rid.startswith("chatcmpl") else "prompt",
             code="context_length_exceeded",
         )
     room = limit - len(prompt_ids)
@@ -134,7 +173,6 @@ def prepare(
         ignore_eos=body.ignore_eos,
         speculative=body.speculative,
     )
-    rid = f"{prefix}-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])
     token = ctx.signer.token(rid, body_digest(body))
@@ -167,9 +205,12 @@ class Generation:
         self.text_chars = prepared.have_chars
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        self.first_at = 0.0  # when its first token (of this connection) came
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         m = self.ctx.metrics
+        ladder = self.ctx.degradation
+        priority = Priority(self.p.add.priority)
         m.request_started()
         m.prompt_tokens.inc(len(self.p.prompt_ids))
         first = True
@@ -179,6 +220,9 @@ class Generation:
                 if out.token_ids:
                     if first:
                         m.first_token(now - self.arrival)
+                        self.first_at = now
+                        if ladder is not None and not self.p.have_tokens:
+                            ladder.first_token(self.p.request_id, priority, now - self.arrival)
                         first = False
                     else:
                         m.tpot.observe((now - self.last) / len(out.token_ids))
@@ -189,10 +233,15 @@ class Generation:
                     m.tokens(len(out.token_ids))
                 if out.finish_reason is not None:
                     self.finish_reason = out.finish_reason
+                    if ladder is not None and self.first_at and self.completion_tokens > self.p.have_tokens + 1:
+                        decoded = self.completion_tokens - self.p.have_tokens - 1
+                        ladder.finished(priority, (now - self.first_at) / decoded)
                     m.requests.labels(out.finish_reason).inc()
                     m.e2e.observe(now - self.arrival)
                 yield out
         finally:
+            if ladder is not None:
+                ladder.ended(self.p.request_id)
             if first:
                 m.request_ended_before_first_token()
             if self.finish_reason is None:

@@ -21,6 +21,8 @@ from steadfast.control.serving import Generation, Prepared, ServingContext, erro
 from steadfast.protocol import FinishReason
 
 _json = msgspec.json.Encoder()
+# On a response the degradation ladder touched: its level and what it changed (control/degrade.Notice).
+DEGRADATION_HEADER = "X-Steadfast-Degradation"
 
 
 def sse(data: dict[str, Any] | str, event_id: str = "") -> bytes:
@@ -87,8 +89,9 @@ async def respond(
     if last_event and stream:
         prepared = await reconnect(ctx, prepared, last_event, body_digest(body))
     gen = Generation(ctx, prepared)
+    headers = {DEGRADATION_HEADER: prepared.notice.header()} if prepared.notice is not None else None
     if stream:
-        return StreamingResponse(streamer(ctx, gen), media_type="text/event-stream")
+        return StreamingResponse(streamer(ctx, gen), media_type="text/event-stream", headers=headers)
     result = await collect(gen, http)
     if result is None:
         return Response(status_code=499)  # the client left; its request was aborted
@@ -104,7 +107,7 @@ async def respond(
         "choices": [first],
         "usage": usage(len(prepared.prompt_ids), gen.completion_tokens, gen.cached_tokens),
     }
-    return JSONResponse(body)
+    return JSONResponse(body, headers=headers)
 
 
 async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, digest: bytes) -> Prepared:
@@ -157,7 +160,12 @@ async def stream(
     p = gen.p
     created = int(time.time())
 
+    # A request the ladder shortened says so in its first chunk (a resumed stream had it already).
+    notice = {"degradation": p.notice.as_dict()} if p.notice is not None and not p.have_tokens else {}
+
     def chunk(choices: list[dict[str, Any]], event_id: str = "", **extra: Any) -> bytes:
+        nonlocal notice
+        extra, notice = {**notice, **extra}, {}
         return sse(
             {
                 "id": p.request_id,

@@ -1,5 +1,5 @@
-"""`steadfast drain`, `steadfast migrate`, `steadfast rollout`: an operator's calls to a running server's
-admin routes (the admin key from STEADFAST_ADMIN_KEY when the server asks for one)."""
+"""`steadfast drain`, `migrate`, `rollout`, `degrade`: an operator's calls to a running server's admin routes
+(the admin key from STEADFAST_ADMIN_KEY when the server asks for one)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,18 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_degrade(args: argparse.Namespace) -> int:
+    if args.level is None:
+        state = _call(args, "GET", "/admin/degradation")
+    else:
+        level: int | str = "auto" if args.level == "auto" else int(args.level)
+        state = _call(args, "POST", "/admin/degradation", {"level": level})
+    print(f"L{state['level']} ({state['mode']}): {state['action']}; {state['reason']}")
+    for name, p in state["priorities"].items():
+        print(f"  {name:6} admission {p['admission']}; speculative {p['speculative']}; shortened {p['shortened']}")
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
@@ -93,6 +105,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     rollout = sub.add_parser("rollout", help="restart every worker in turn with no failed request")
     common(rollout)
     rollout.set_defaults(func=cmd_rollout)
+
+    degrade = sub.add_parser("degrade", help="show the degradation level, or set it (0..5) or give it back (auto)")
+    common(degrade)
+    degrade.add_argument("--level", choices=[*map(str, range(6)), "auto"], help="absent: show it")
+    degrade.set_defaults(func=cmd_degrade)
 
 
 def run(func, args: argparse.Namespace) -> int:  # noqa: ANN001 - one of the commands above

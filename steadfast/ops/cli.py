@@ -1,5 +1,5 @@
 """The `steadfast` command: `serve` runs the server, `generate` prints one completion in-process;
-`drain`, `migrate` and `rollout` call a running server's admin routes (ops/admin_cli.py)."""
+`drain`, `migrate`, `rollout` and `degrade` call a running server's admin routes (ops/admin_cli.py)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, rea
 from steadfast.model.llama import LlamaModel, compute_layout
 from steadfast.model.store import open_layout
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.protocol import AddRequest, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
+from steadfast.protocol import AddRequest, Degrade, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
 from steadfast.worker.detokenizer import Detokenizer
 from steadfast.worker.kv_connector import KVConnector
 from steadfast.worker.ledger_sync import LedgerSlots, LedgerSync
@@ -132,6 +132,7 @@ class Engine:
         )
         self.sync = sync
         self.spec = Speculator(cfg.speculative)
+        self.orders = Degrade()  # the degradation ladder's, L0 until the router says otherwise
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self._drafts)
         self.scheduler.cost = copy.copy(loaded.step_cost) if loaded.step_cost is not None else StepCost()
         self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
@@ -141,6 +142,7 @@ class Engine:
             book = LedgerSlots(sync, tier.kind) if sync is not None else LocalSlots(tier.num_slots)
             self.offload = Offloader(tier, arena, self.blocks, book, cfg.cache.tier_slots(arena.spec.num_blocks))
             self.scheduler.swap = self.offload.swap_out
+            self.scheduler.swap_room = self.offload.has_room
             self.scheduler.prefetch = self.offload.ready
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -352,8 +354,18 @@ class Engine:
         return samplers, sample(logits, [r.params for r in samplers], indices)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """The scheduler's drafter: at most what the budget, `max_tokens` and the context leave."""
+        """The scheduler's drafter: at most what the budget, `max_tokens` and the context leave; none
+        for a priority the degradation ladder took speculation from."""
+        if request.priority >= self.orders.speculate_below:
+            return []
         return self.spec.drafts_for(request, budget, self.max_model_len)
+
+    def degrade(self, orders: Degrade) -> None:
+        """The degradation ladder's orders (router): speculation by priority, L3's offload of low priority."""
+        self.orders = orders
+        self.scheduler.offload_from = orders.offload_from
+        self.scheduler.kv_target = orders.kv_target
+        self.scheduler.step_target_ms = orders.step_target_ms
 
     def _isolate(
         self,

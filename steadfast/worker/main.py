@@ -36,6 +36,7 @@ from steadfast.kv.tier import TierFile
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
+    Degrade,
     FinishReason,
     Migrate,
     Promote,
@@ -106,6 +107,8 @@ class WorkerLoop:
             spec_drafted=e.spec.drafted,
             spec_accepted=e.spec.accepted,
             tokens_per_step=e.spec.tokens_per_step,
+            degradation_level=e.orders.level,
+            ladder_swaps=e.scheduler.ladder_swaps,
             **offload_status(e),
             **wire_status(e),
         )
@@ -165,6 +168,10 @@ class WorkerLoop:
         elif isinstance(msg, Promote):
             self.role = msg.role
             self._report(force=True)
+        elif isinstance(msg, Degrade):
+            if msg != engine.orders:
+                log.info("degradation orders: level %d, %s", msg.level, msg)
+            engine.degrade(msg)
 
     def leave(self) -> None:
         """Stop once no request is left here (the router moves them), at the latest after the shutdown timeout."""

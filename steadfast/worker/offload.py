@@ -244,6 +244,14 @@ class Offloader:
                 self._record(slots, digests, [n for _, n in todo])
         return sum(1 for _, n in named if n in self.index or n in writing)
 
+    def has_room(self, request: Request) -> bool:
+        """Whether the tier can take every named block of `request` it lacks without dropping any kept
+        for a swapped-out request (the ladder swaps out only what it can keep whole)."""
+        table = self.blocks.block_table(request.request_id)
+        missing = sum(1 for b in table if (h := self.blocks.blocks[b].hash) is not None and h not in self.index)
+        writing = len(self._writing.pairs) if self._writing is not None else 0
+        return missing > 0 and len(self._kept) + writing + missing <= self.cap
+
     def swap_out(self, request: Request) -> int:
         """A request about to be preempted: write its named blocks the tier lacks, now (the scheduler
         reuses them within this step). Returns how many of them the tier holds (the rest are recomputed)."""

@@ -14,7 +14,13 @@ While some client is streaming (a request has produced tokens), the prefill chun
 have not share what is left of `decode_step_target_ms` beside the decodes, by the worker's own step
 times (`StepCost`), at least `prefill_floor_tokens` a step: streams keep a steady pace through a burst
 of prompts. A streaming request's own recomputation (after a takeover or a preemption) is not cut: it
-is the stall its client feels.
+is the stall its client feels; nor is a high-priority prompt. From L1 on the degradation ladder sets the
+target to the TPOT target (`step_target_ms`).
+
+The degradation ladder's L3 (`offload_from`, `kv_target`, from the router's `Degrade`): while the
+worker's KV use is above the target, running requests of that priority or lower are swapped out to the
+offload tier (only those the tier has room for: never a recomputing preemption), and waiting ones are
+not admitted back above the target; the KV above it is kept for higher priorities.
 
 With speculative decoding a decoding request may bring draft tokens: it is then scheduled to verify
 them (one position each, beyond its own token) when budget and KV room allow, else as a plain decode —
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 
 from steadfast.config import SchedulerConfig
 from steadfast.kv.block_manager import BlockManager
+from steadfast.protocol import Priority
 from steadfast.worker.request import Request, Status
 from steadfast.worker.step_cost import StepCost
 
@@ -53,6 +60,9 @@ class ScheduledStep:
 Drafter = Callable[[Request, int], list[int]]
 # A request about to be preempted → how many of its named blocks the offload tier holds now.
 Swapper = Callable[[Request], int]
+# A running request → whether the offload tier has room for all its named blocks now.
+SwapRoom = Callable[[Request], bool]
+NOBODY = 3  # an `offload_from` no priority reaches
 # A waiting request, its arena prefix hits, whether others run → may it be admitted now (False: its KV
 # is on its way back from the offload tier, or waits for room to come back).
 Prefetcher = Callable[[Request, list[int], bool], bool]
@@ -65,6 +75,11 @@ class Scheduler:
         self.drafter = drafter
         self.cost: StepCost | None = None  # set by the engine, which times the steps
         self.swap: Swapper | None = None
+        self.swap_room: SwapRoom | None = None
+        self.offload_from = NOBODY  # the ladder's L3: priorities swapped out above `kv_target`
+        self.kv_target = 1.0
+        self.step_target_ms = 0.0  # the ladder's step target (0: cfg.decode_step_target_ms)
+        self.ladder_swaps = 0  # running requests swapped out by the ladder
         self.prefetch: Prefetcher | None = None
         self.swap_preemptions = 0  # preempted with KV kept in the offload tier
         self.recompute_preemptions = 0  # preempted with nothing kept there
@@ -120,6 +135,29 @@ class Scheduler:
         request.num_preemptions += 1
         self.add(request)
 
+    def _over_target(self, extra: int = 0) -> bool:
+        return self.blocks.num_used + extra > self.kv_target * self.blocks.num_blocks
+
+    def _shed(self, step: ScheduledStep) -> None:
+        """L3: swap running requests of `offload_from` priority or lower out to the tier, lowest priority
+        and latest first, until KV use is back at the target."""
+        if self.swap is None or self.swap_room is None or self.offload_from >= NOBODY:
+            return
+        victims = [r for r in self.running if r.priority >= self.offload_from and r.status is Status.RUNNING]
+        for victim in sorted(victims, key=lambda r: r.sort_key, reverse=True):
+            if not self._over_target():
+                return
+            if self.swap_room(victim):
+                self._preempt(victim)
+                step.preempted.append(victim)
+                self.ladder_swaps += 1
+
+    def _held_back(self, request: Request) -> bool:
+        """L3: a waiting request of an offloaded priority stays out while it would take KV use over the target."""
+        if request.priority < self.offload_from:
+            return False
+        return self._over_target(self.blocks.blocks_needed(request.num_tokens))
+
     def _verify(self, request: Request, budget: int, step: ScheduledStep) -> bool:
         """Schedule a decoding request to verify its drafts, if it has some and they fit."""
         if self.drafter is None:
@@ -132,17 +170,20 @@ class Scheduler:
 
     def _prefill_room(self) -> int | None:
         """Tokens this step's new prompts may take (None: no limit but the budget)."""
-        if self.cost is None or self.cfg.decode_step_target_ms <= 0:
+        target = self.step_target_ms or self.cfg.decode_step_target_ms
+        if self.cost is None or target <= 0:
             return None
         if not any(r.streaming for r in self.running) and not any(r.streaming for r in self._waiting_ids.values()):
             return None  # no client waits on this step for its next token
         decoding = sum(1 for r in self.running if r.status is Status.RUNNING and r.num_pending == 1)
-        return self.cost.prefill_room(decoding, self.cfg.decode_step_target_ms / 1000)
+        return self.cost.prefill_room(decoding, target / 1000)
 
     def _cut(self, request: Request, n: int, pace: list[int] | None) -> int:
         """`n` prefill tokens of `request`, cut to the step's pace: `pace` = [room left, new-prompt
-        tokens taken] (None: not paced). A streaming request's recomputation takes what it needs."""
-        if pace is None or request.streaming:
+        tokens taken] (None: not paced). A streaming request's recomputation takes what it needs, and so
+        does a high-priority prompt (the last to be degraded: its steps' length spreads over every stream's
+        tokens, its wait would be its own)."""
+        if pace is None or request.streaming or request.priority == Priority.HIGH:
             return n
         room, fresh = pace
         return min(n, max(room, self.cfg.prefill_floor_tokens - fresh))
@@ -155,6 +196,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
+        self._shed(step)
         budget = self.cfg.max_num_batched_tokens
         room = self._prefill_room()
         pace = None if room is None else [room, 0]
@@ -200,6 +242,9 @@ class Scheduler:
                 continue
             if pace is not None and not request.streaming and self._cut(request, 1, pace) <= 0:
                 deferred.append(heapq.heappop(self._waiting))  # no room for new prompts: not even looked up
+                continue
+            if self._held_back(request):
+                deferred.append(heapq.heappop(self._waiting))
                 continue
             own = request.num_preemptions > 0 or request.recovery is not None
             hits = self.blocks.match_prefix(request.all_ids, own)

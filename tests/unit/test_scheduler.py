@@ -162,3 +162,47 @@ def test_the_line_outlives_a_quiet_spell_and_drafts_take_room():
         step = s.schedule()
         assert [len(d) for _, d in step.verifies] == ([4] if drafts else [])
         assert [(r.request_id, n) for r, n in step.prefills] == [("new", room)]  # 105 - 1 decode - drafts
+
+
+def test_ladder_l3_swaps_low_priority_out_above_the_kv_target_and_holds_it_back():
+    bm = BlockManager(20, 4, False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=200), bm)
+    swapped: list[str] = []
+    s.swap = lambda r: swapped.append(r.request_id) or 1  # the tier took its blocks
+    s.swap_room = lambda r: r.request_id != "low-full"  # this one the tier has no room for
+    reqs = [req("high", 16, 0), req("normal", 16, 1), req("low", 16, 2), req("low-full", 8, 2)]
+    for r in reqs:
+        s.add(r)
+    finish_step(s.schedule())
+    assert bm.num_used == 4 + 4 + 4 + 2  # every prompt's blocks
+    s.offload_from, s.kv_target = 2, 0.65  # L3: low priority above 13 of 20 blocks
+    step = s.schedule()
+    # low-full cannot be swapped (no recomputing preemption for the ladder); low goes: 10 blocks, then
+    # the decodes take one more each for high and normal, and low-full its third: 13.
+    assert [r.request_id for r in step.preempted] == ["low"] and swapped == ["low"]
+    assert s.ladder_swaps == 1 and s.swap_preemptions == 1 and s.recompute_preemptions == 0
+    assert {r.request_id for r in step.decodes} == {"high", "normal", "low-full"}
+    finish_step(step)
+    assert s.num_waiting == 1 and not s.schedule().prefills  # held back while over the target
+    s.remove("normal")
+    step = s.schedule()
+    assert [r.request_id for r, _ in step.prefills] == ["low"]  # room under the target again
+    s.offload_from = 3  # back to L0: nothing is shed
+    assert not s.schedule().preempted
+
+
+def test_a_high_priority_prompt_is_not_paced_and_the_ladder_sets_the_step_target():
+    cfg = SchedulerConfig(max_num_batched_tokens=512, decode_step_target_ms=250, prefill_floor_tokens=16)
+    s = Scheduler(cfg, BlockManager(256, 4, False))
+    s.cost = timed_cost(40, 2)  # 250 ms: room for 105 tokens less the decodes'
+    s.add(req("streaming", 8))
+    finish_step(s.schedule())
+    s.add(req("high", 200, 0))
+    s.add(req("normal", 200, 1))
+    step = s.schedule()
+    # high takes its whole prompt, more than the room and the floor: normal waits for the next step.
+    assert [(r.request_id, n) for r, n in step.prefills] == [("high", 200)]
+    finish_step(step)
+    s.step_target_ms = 100  # the ladder's (L1+): room for 30 tokens less the decodes'
+    step = s.schedule()
+    assert [(r.request_id, n) for r, n in step.prefills] == [("normal", 28)]

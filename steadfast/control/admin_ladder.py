@@ -1,0 +1,42 @@
+"""Admin routes of the degradation ladder: `GET /admin/degradation` (the level, what it does to each
+priority, why, the signals and the history of changes) and `POST /admin/degradation` (an operator's
+level, or back to automatic control). Behind the guard's admin check like every `/admin` route."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from steadfast.control.errors import APIError
+from steadfast.control.ladder import Level
+from steadfast.control.serving import ServingContext
+
+
+class LevelBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    level: int | Literal["auto"] = Field(description="0..5 holds that level until set back to auto")
+
+
+def add_degradation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    def ladder() -> Any:
+        if ctx.degradation is None:
+            raise APIError("This router runs no degradation ladder.", 404, type_="not_found_error")
+        return ctx.degradation
+
+    @app.get("/admin/degradation")
+    async def degradation() -> dict[str, Any]:
+        return ladder().view()
+
+    @app.post("/admin/degradation")
+    async def set_degradation(body: LevelBody) -> dict[str, Any]:
+        d = ladder()
+        if body.level == "auto":
+            d.set_level(None)
+        elif isinstance(body.level, int) and Level.L0 <= body.level <= Level.L5:
+            d.set_level(Level(body.level))
+            await d.tick()  # the workers hear the new orders now, not at the next tick
+        else:
+            raise APIError(f"'level' must be 0..5 or \"auto\", got {body.level}.", param="level")
+        return d.view()

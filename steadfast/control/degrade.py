@@ -1,0 +1,384 @@
+"""The degradation ladder at work in the router: signals gathered, the level moved (ladder.py), each
+new request admitted, refused or shortened by it, and running work told what to give up (`Degrade`
+to every worker: speculation, low-priority KV to the offload tier).
+
+High priority is touched last: it is never refused by a prediction, never shortened, and at L5 it
+still gets in while fewer than `high_reserve` high requests per serving worker are in flight. No
+accepted request is ever failed by the ladder: refusals happen at admission, before any token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
+from steadfast.control.delivery import Flight
+from steadfast.control.errors import APIError
+from steadfast.control.ladder import Ladder, Level, LevelChange, Snapshot
+from steadfast.control.signals import Latencies, Queued, Running, WorkerLoad, predict_ttft
+from steadfast.control.workers import WorkerHandle, WorkerRegistry
+from steadfast.protocol import Degrade, Priority, WorkerRole
+
+log = logging.getLogger("steadfast.degradation")
+
+PROTECTED = (Priority.HIGH, Priority.NORMAL)  # whose observed latencies say whether the SLO holds
+LOW_TPOT_SHARE = 0.75  # low priority is refused when a token would take this share of its TPOT p99 target
+# Predicted TTFTs are corrected by what was measured: mean log(actual / predicted), each request weighing
+# this much, the factor held within these bounds (the machine's other load, steps the model misses).
+CALIBRATION_RATE = 0.05
+CALIBRATION_MIN, CALIBRATION_MAX = 0.5, 4.0
+TYPICAL_PROMPT = 64  # tokens of the "typical new request" the level's prediction is made for, until some are seen
+UNPLACED_TTL_S = 30.0  # an admitted request whose stream never started is forgotten after this
+RESEND_EVERY = 10  # ticks between re-sends of the orders to every worker (one that joined or was promoted)
+
+
+@dataclass
+class Plan:
+    """What the ladder does to one new request it admits."""
+
+    level: Level
+    max_tokens_cap: int = 0  # 0: none
+    context_cap: int = 0  # 0: none
+    predicted_ttft_ms: float = 0.0
+
+    @property
+    def shortened(self) -> bool:
+        return bool(self.max_tokens_cap or self.context_cap)
+
+
+@dataclass
+class Notice:
+    """What a shortened request's client is told (header and first chunk)."""
+
+    level: int
+    max_tokens: int = 0  # the cap it was given
+    truncated_tokens: int = 0  # prompt tokens dropped
+    dropped_messages: int = 0
+
+    def header(self) -> str:
+        parts = [f"level={self.level}"]
+        if self.max_tokens:
+            parts.append(f"max_tokens={self.max_tokens}")
+        if self.truncated_tokens:
+            parts.append(f"truncated_tokens={self.truncated_tokens}")
+        if self.dropped_messages:
+            parts.append(f"dropped_messages={self.dropped_messages}")
+        return "; ".join(parts)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in self.__dict__.items() if v or k == "level"}
+
+
+@dataclass
+class Sources:
+    """What the ladder reads from the engine client (callables, so it holds no sockets)."""
+
+    registry: WorkerRegistry
+    flights: Callable[[], list[Flight]]
+    broadcast: Callable[[Degrade], Awaitable[None]]
+
+
+@dataclass
+class Degradation:
+    cfg: DegradationConfig
+    slo: SloConfig
+    sched: SchedulerConfig
+    block_size: int
+    src: Sources
+    on_change: Callable[[LevelChange], None] | None = None  # metrics
+    on_refuse: Callable[[Priority, int], None] | None = None  # metrics: priority, status
+    ladder: Ladder = field(init=False)
+    latencies: dict[Priority, Latencies] = field(init=False)
+    _unplaced: dict[str, Queued] = field(default_factory=dict)
+    _prompts: deque[int] = field(default_factory=lambda: deque(maxlen=64))
+    _observed: tuple[float, float] = (0.0, 0.0)  # TTFT, TPOT p99 (ms) of the protected priorities at the last tick
+    _orders: Degrade = field(default_factory=Degrade)
+    _predicted: dict[str, float] = field(default_factory=dict)  # uncalibrated TTFT predictions of queued requests
+    _log_error: float = 0.0
+    _ticks: int = 0
+
+    def __post_init__(self) -> None:
+        self.ladder = Ladder(self.cfg)
+        self.latencies = {p: Latencies.over(self.cfg.window_s) for p in Priority}
+
+    # --- signals -------------------------------------------------------------------------------
+    def _serving(self) -> list[WorkerHandle]:
+        live = self.src.registry.live()
+        prefill = [w for w in live if w.role == WorkerRole.PREFILL]
+        return prefill or [w for w in live if w.role in (WorkerRole.MIXED, WorkerRole.DECODE)]
+
+    def loads(self) -> list[WorkerLoad]:
+        """Every serving worker's load: its measured step cost, the requests placed on it."""
+        loads = {}
+        for w in self._serving():
+            s = w.status
+            loads[w.worker_id] = WorkerLoad(
+                w.worker_id,
+                (s.step_base_ms if s else 0.0) / 1000,
+                (s.step_token_ms if s else 0.0) / 1000,
+                s.kv_blocks_total if s else 0,
+                s.kv_blocks_used if s else 0,
+            )
+        for f in self.src.flights():
+            self._unplaced.pop(f.add.request_id, None)
+            load = loads.get(f.mark.owner)
+            if load is None or f.mark.moving:
+                continue
+            add, done = f.add, len(f.mark.delivered)
+            prompt, most = len(add.prompt_ids), add.params.max_tokens
+            if done:
+                blocks = -(-(prompt + most) // self.block_size)
+                load.running.append(Running(max(0, most - done), blocks, prompt, most))
+            else:
+                load.queued.append(Queued(Priority(add.priority), prompt, f.mark.owner, f.progress, most))
+        for q in self._unplaced.values():
+            if q.worker in loads:
+                loads[q.worker].queued.append(q)
+        return list(loads.values())
+
+    def step_target_ms(self, level: Level) -> float:
+        """From L1 on, a step beside streams is kept within the TPOT p99 target (0: the workers' own)."""
+        return self.slo.targets(Priority.NORMAL).tpot_ms.p99 if level >= Level.L1 else 0.0
+
+    def _predict(self, loads: list[WorkerLoad], prompt: int, priority: Priority) -> tuple[float, int]:
+        """The shortest predicted TTFT (s) over the serving workers, and that worker's id (-1: none)."""
+        best = (0.0, -1)
+        target = self.step_target_ms(self.ladder.level)
+        for w in loads:
+            t = self.calibration * predict_ttft(w, prompt, priority, self.sched, self.block_size, target)
+            if best[1] < 0 or t < best[0]:
+                best = (t, w.worker_id)
+        return best
+
+    def snapshot(self, loads: list[WorkerLoad] | None = None) -> Snapshot:
+        loads = self.loads() if loads is None else loads
+        total = sum(w.kv_total for w in loads)
+        typical = int(statistics.median(self._prompts)) if self._prompts else TYPICAL_PROMPT
+        normal = self.slo.targets(Priority.NORMAL)
+        tpot_slo = normal.tpot_ms.p99 / 1000
+        return Snapshot(
+            kv_use=sum(w.kv_used for w in loads) / total if total else 0.0,
+            queued=sum(len(w.queued) for w in loads),
+            load=max((w.stream_step_s() / tpot_slo for w in loads if w.token_s > 0), default=0.0),
+            predicted_ttft_ms=1000 * self._predict(loads, typical, Priority.NORMAL)[0],
+            ttft_p99_ms=self._observed[0],
+            tpot_p99_ms=self._observed[1],
+            ttft_slo_ms=normal.ttft_ms.p99,
+            tpot_slo_ms=normal.tpot_ms.p99,
+        )
+
+    def _observe_windows(self) -> None:
+        now = time.monotonic()
+        ttft = max(self.latencies[p].ttft.percentile(0.99, now) for p in PROTECTED)
+        tpot = max(self.latencies[p].tpot.percentile(0.99, now) for p in PROTECTED)
+        self._observed = (1000 * ttft, 1000 * tpot)
+
+    # --- admission -----------------------------------------------------------------------------
+    def plan(self, request_id: str, priority: Priority, prompt_tokens: int, output_tokens: int) -> Plan:
+        """Admit a new request, or refuse it (APIError 429/503 with Retry-After) as its priority and the
+        level say. An admitted one is counted as queued until its first token."""
+        loads = self.loads()
+        self._changed(self.ladder.step(self.snapshot(loads), rise_only=True))
+        level = self.ladder.level
+        serving = max(1, len(loads))
+        queued = sum(1 for w in loads for q in w.queued if q.priority == priority)
+        if queued >= self.cfg.max_queued(priority) * serving:
+            self._refuse(
+                priority,
+                429,
+                f"{queued} {priority.label}-priority requests are waiting for their first token, the limit; "
+                "retry shortly.",
+                self.cfg.retry_after_s,
+            )
+        shortened = level >= Level.L4 and priority != Priority.HIGH
+        if shortened:
+            prompt_tokens = min(prompt_tokens, self.cfg.max_context_tokens)  # what it will be
+            output_tokens = min(output_tokens, self.cfg.max_tokens_cap)
+        predicted, worker = self._predict(loads, prompt_tokens, priority)
+        if level >= Level.L5:
+            high = sum(1 for f in self.src.flights() if f.add.priority == Priority.HIGH)
+            high += sum(1 for q in self._unplaced.values() if q.priority == Priority.HIGH)
+            if priority != Priority.HIGH or high >= self.cfg.high_reserve * serving:
+                self._refuse(
+                    priority,
+                    503,
+                    f"The service is overloaded (degradation level {int(level)}: circuit breaker) and refuses new "
+                    f"{priority.label}-priority requests; requests in flight continue. Retry later.",
+                    self.cfg.retry_after_s,
+                )
+        if level >= Level.L1 and priority != Priority.HIGH:
+            target = self.slo.targets(priority).ttft_ms
+            bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000  # low gives way first
+            # A prompt that alone takes longer than the target is judged by what others add to it.
+            idle = [WorkerLoad(w.worker_id, w.base_s, w.token_s, w.kv_total, 0) for w in loads]
+            bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority)[0])
+            if predicted > bar:
+                self._refuse(
+                    priority,
+                    429,
+                    f"The service is overloaded (degradation level {int(level)}): a {priority.label}-priority "
+                    f"request would wait about {predicted * 1000:.0f} ms for its first token, over its "
+                    f"{bar * 1000:.0f} ms target. Retry later.",
+                    max(1, math.ceil(predicted - bar)),
+                )
+            # ...and one that would slow every stream of its worker past its TPOT target once it decodes
+            # beside all that is running and queued there.
+            chosen = next((w for w in loads if w.worker_id == worker), None)
+            tpot = self.slo.targets(priority).tpot_ms.p99 * (1.0 if priority == Priority.NORMAL else LOW_TPOT_SHARE)
+            step = 0.0
+            if chosen is not None and chosen.token_s > 0:
+                step = chosen.stream_step_s(prompt_tokens, max(1, output_tokens))
+            if step * 1000 > tpot:
+                self._refuse(
+                    priority,
+                    429,
+                    f"The service is overloaded (degradation level {int(level)}): with one more "
+                    f"{priority.label}-priority request each token would take about {step * 1000:.0f} ms, over the "
+                    f"{tpot:.0f} ms target. Retry later.",
+                    self.cfg.retry_after_s,
+                )
+        plan = Plan(level, predicted_ttft_ms=1000 * predicted)
+        if shortened:
+            plan.max_tokens_cap = self.cfg.max_tokens_cap
+            plan.context_cap = self.cfg.max_context_tokens
+        self._prompts.append(prompt_tokens)
+        self._unplaced[request_id] = Queued(priority, prompt_tokens, worker, time.monotonic(), output_tokens)
+        if predicted > 0:
+            self._predicted[request_id] = predicted / self.calibration
+        return plan
+
+    def _refuse(self, priority: Priority, status: int, message: str, retry_after: int) -> None:
+        if self.on_refuse is not None:
+            self.on_refuse(priority, status)
+        kind = "rate_limit_error" if status == 429 else "service_unavailable"
+        code = "overloaded" if status == 429 else "circuit_open"
+        raise APIError(message, status, type_=kind, code=code, headers={"Retry-After": str(retry_after)})
+
+    # --- the request's life (serving.Generation) -----------------------------------------------
+    def first_token(self, request_id: str, priority: Priority, seconds: float) -> None:
+        self.latencies[priority].ttft.add(seconds, time.monotonic())
+        raw = self._predicted.pop(request_id, 0.0)
+        if raw > 0:
+            # The model's error, learnt: a running mean of log(actual / predicted) over recent requests.
+            err = math.log(max(seconds, 1e-3) / raw)
+            self._log_error += CALIBRATION_RATE * (err - self._log_error)
+
+    def finished(self, priority: Priority, tpot: float) -> None:
+        """A request's mean time per output token after its first (what its TPOT target is about)."""
+        self.latencies[priority].tpot.add(tpot, time.monotonic())
+
+    def ended(self, request_id: str) -> None:
+        self._unplaced.pop(request_id, None)
+        self._predicted.pop(request_id, None)
+
+    @property
+    def calibration(self) -> float:
+        """What measured TTFTs say the predictions should be multiplied by (within bounds)."""
+        return min(CALIBRATION_MAX, max(CALIBRATION_MIN, math.exp(self._log_error)))
+
+    # --- the controller ------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.tick()
+            except Exception:  # the ladder must not stop over one bad look at its signals
+                log.exception("degradation controller tick failed")
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        for rid, q in list(self._unplaced.items()):
+            if now - q.admitted_at > UNPLACED_TTL_S:
+                del self._unplaced[rid]
+        self._observe_windows()
+        snap = self.snapshot()
+        self._changed(self.ladder.step(snap))
+        orders = self.orders(snap)
+        self._ticks += 1
+        if orders != self._orders or self._ticks % RESEND_EVERY == 0:
+            self._orders = orders
+            await self.src.broadcast(orders)
+
+    def orders(self, s: Snapshot) -> Degrade:
+        """What running work gives up at the current level (the seed's L2 rules: high priority keeps
+        speculating unless KV or the queue is over its threshold)."""
+        level = self.ladder.level
+        c = self.cfg
+        speculate = 3
+        if level >= Level.L2:
+            speculate = 0 if s.kv_use >= c.kv_enter or s.queued >= c.queue_enter else int(Priority.HIGH) + 1
+        offload = int(Priority.LOW) if level >= Level.L3 else 3
+        target = c.offload_target if offload < 3 else 1.0
+        return Degrade(int(level), speculate, offload, target, self.step_target_ms(level))
+
+    def set_level(self, level: Level | None) -> LevelChange | None:
+        change = self.ladder.set(level, self.snapshot())
+        self._changed(change)
+        if change is None and level is None:
+            log.warning("degradation level back under automatic control (now L%d)", self.ladder.level)
+        return change
+
+    def _changed(self, change: LevelChange | None) -> None:
+        if change is None:
+            return
+        log.warning(
+            "degradation level L%d -> L%d%s: %s; signals %s",
+            change.old,
+            change.new,
+            " (operator)" if change.manual else "",
+            change.reason,
+            change.signals,
+        )
+        if self.on_change is not None:
+            self.on_change(change)
+
+    def view(self) -> dict[str, Any]:
+        """GET /admin/degradation: the level, what it does to each priority, why, the signals, the history."""
+        snap = self.snapshot()
+        level = self.ladder.level
+        orders = self.orders(snap)
+        now = time.monotonic()
+        per_priority = {}
+        for p in Priority:
+            targets = self.slo.targets(p)
+            lat = self.latencies[p]
+            if level >= Level.L5 and (p != Priority.HIGH):
+                admission = "refused (503)"
+            elif level >= Level.L5:
+                admission = f"within the reserve of {self.cfg.high_reserve} per worker"
+            elif level >= Level.L1 and p != Priority.HIGH:
+                admission = "refused (429) when its predicted TTFT breaks its target"
+            else:
+                admission = "open"
+            per_priority[p.label] = {
+                "admission": admission,
+                "speculative": int(p) < orders.speculate_below,
+                "offloaded": int(p) >= orders.offload_from,
+                "shortened": level >= Level.L4 and p != Priority.HIGH,
+                "slo_ms": {"ttft": vars(targets.ttft_ms), "tpot": vars(targets.tpot_ms)},
+                "observed_ms": {
+                    "ttft_p50": 1000 * lat.ttft.percentile(0.5, now),
+                    "ttft_p99": 1000 * lat.ttft.percentile(0.99, now),
+                    "tpot_p50": 1000 * lat.tpot.percentile(0.5, now),
+                    "tpot_p99": 1000 * lat.tpot.percentile(0.99, now),
+                },
+            }
+        return {
+            "level": int(level),
+            "action": level.action,
+            "mode": "manual" if self.ladder.override is not None else ("auto" if self.cfg.enabled else "off"),
+            "since_s": round(now - self.ladder.since, 3),
+            "reason": self.ladder.reason,
+            "signals": snap.as_dict(),
+            "ttft_calibration": round(self.calibration, 3),  # measured / predicted TTFT, learnt
+            "priorities": per_priority,
+            "history": [c.as_dict() for c in self.ladder.history],
+        }

@@ -1,0 +1,153 @@
+"""What the degradation ladder looks at: latencies over a sliding window, and each worker's load as
+the router knows it — from which the TTFT of a new request is predicted before it is admitted.
+
+Pure: no I/O, no clock of its own (callers pass `now`)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from steadfast.config import SchedulerConfig
+from steadfast.protocol import Priority
+
+# Observations a window keeps at most (one per output token: ~10 s of a busy server), so memory is bounded.
+WINDOW_CAP = 50_000
+
+
+class Window:
+    """Values observed over the last `span` seconds."""
+
+    def __init__(self, span: float, cap: int = WINDOW_CAP) -> None:
+        self.span = span
+        self._items: deque[tuple[float, float]] = deque(maxlen=cap)
+
+    def add(self, value: float, now: float) -> None:
+        self._items.append((now, value))
+
+    def _trim(self, now: float) -> None:
+        while self._items and self._items[0][0] < now - self.span:
+            self._items.popleft()
+
+    def count(self, now: float) -> int:
+        self._trim(now)
+        return len(self._items)
+
+    def percentile(self, q: float, now: float) -> float:
+        """The `q`-quantile (0..1) of the values in the window by nearest rank; 0 when it is empty."""
+        self._trim(now)
+        if not self._items:
+            return 0.0
+        values = sorted(v for _, v in self._items)
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+@dataclass
+class Latencies:
+    """Observed TTFT and TPOT of one priority, in seconds."""
+
+    ttft: Window
+    tpot: Window
+
+    @classmethod
+    def over(cls, span: float) -> Latencies:
+        return cls(Window(span), Window(span))
+
+
+@dataclass
+class Queued:
+    """A request admitted and waiting for its first token, as the ladder counts it."""
+
+    priority: Priority
+    prompt_tokens: int
+    worker: int  # where it was placed (or expected to be, before the router sends it)
+    admitted_at: float
+    output_tokens: int  # the most it may produce (max_tokens)
+
+
+@dataclass
+class Running:
+    """A request past its first token: how long it may still run and how much KV it holds then."""
+
+    remaining_tokens: int
+    blocks: int
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class WorkerLoad:
+    """One serving worker as the ladder sees it: its measured step cost (from its status reports) and
+    what the router has placed on it."""
+
+    worker_id: int
+    base_s: float  # a step's fixed cost
+    token_s: float  # ... and per token computed (0: not measured yet)
+    kv_total: int
+    kv_used: int
+    running: list[Running] = field(default_factory=list)
+    queued: list[Queued] = field(default_factory=list)
+
+    @property
+    def kv_use(self) -> float:
+        return self.kv_used / self.kv_total if self.kv_total else 0.0
+
+    def decode_step_s(self, extra: int = 0) -> float:
+        """Expected time of a step that decodes every running request (and `extra` more)."""
+        return self.base_s + (len(self.running) + extra) * self.token_s
+
+    def stream_step_s(self, prompt: int = 0, output: int = 0) -> float:
+        """Expected time per output token of its streams once every request running and queued here (and
+        one more of `prompt` and `output` tokens, if given) decodes: a step decodes them all, and also
+        carries the prompts of the requests that arrive meanwhile — in a steady state as many as run,
+        so each stream's tokens pay for prompt/output of prefill as well."""
+        n = len(self.running) + len(self.queued) + (1 if output else 0)
+        if not n:
+            return self.base_s
+        prompts = sum(r.prompt_tokens for r in self.running) + sum(q.prompt_tokens for q in self.queued) + prompt
+        outputs = sum(r.output_tokens for r in self.running) + sum(q.output_tokens for q in self.queued) + output
+        return self.base_s + n * self.token_s * (1 + prompts / max(1, outputs))
+
+
+def predict_ttft(
+    w: WorkerLoad,
+    prompt_tokens: int,
+    priority: Priority,
+    sched: SchedulerConfig,
+    block_size: int,
+    step_target_ms: float = 0.0,
+) -> float:
+    """Seconds until a new request of `prompt_tokens` and `priority` placed on `w` gets its first token.
+
+    The worker's scheduler serves waiting prompts by priority: those queued at this priority or above
+    are computed first, in chunks that share each step with the running decodes (paced to
+    `step_target_ms`, else `decode_step_target_ms`, while clients stream; at least `prefill_floor_tokens`;
+    a high-priority prompt is not paced). When the KV those
+    prompts need is not free, the wait includes the decodes until enough running requests finish.
+    0 while the worker's step cost is unknown (no prediction rather than a guess)."""
+    if w.token_s <= 0:
+        return 0.0
+    ahead = [q for q in w.queued if q.priority <= priority]
+    tokens = prompt_tokens + sum(q.prompt_tokens for q in ahead)
+    decoding = len(w.running)
+    chunk = sched.max_num_batched_tokens - decoding
+    target = step_target_ms or sched.decode_step_target_ms
+    if decoding and target > 0 and priority != Priority.HIGH:
+        room = (target / 1000 - w.decode_step_s()) / w.token_s
+        chunk = min(chunk, int(room))
+    chunk = max(chunk, sched.prefill_floor_tokens, 1)
+    steps = math.ceil(tokens / chunk)
+    wait = steps * (w.decode_step_s() + min(chunk, tokens) * w.token_s)
+    need = sum(-(-q.prompt_tokens // block_size) for q in ahead) + -(-prompt_tokens // block_size)
+    short = need - (w.kv_total - w.kv_used) if w.kv_total else 0
+    if short > 0:
+        # KV comes free as running requests finish, those with the fewest tokens left first.
+        left = 0
+        for r in sorted(w.running, key=lambda r: r.remaining_tokens):
+            short -= r.blocks
+            left = r.remaining_tokens
+            if short <= 0:
+                break
+        wait += left * w.decode_step_s()
+    return wait

@@ -1,0 +1,200 @@
+"""Admission through the degradation ladder (control/degrade.py) on a registry of workers with injected
+status reports and requests in flight: bounded per-priority queues, refusals by predicted TTFT (low
+first, high never), L4's caps, L5's breaker with the high-priority reserve, the orders workers get;
+and the TTFT prediction and context truncation it relies on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
+from steadfast.control.degrade import Degradation, Sources
+from steadfast.control.delivery import Flight, Watermark
+from steadfast.control.errors import APIError
+from steadfast.control.ladder import Level
+from steadfast.control.signals import Queued, Running, Window, WorkerLoad, predict_ttft
+from steadfast.control.truncate import cut_chat, cut_prompt
+from steadfast.control.workers import WorkerRegistry
+from steadfast.protocol import AddRequest, Degrade, Priority, SamplingParams, WorkerRole, WorkerState, WorkerStatus
+
+pytestmark = pytest.mark.unit
+
+SCHED = SchedulerConfig(max_num_batched_tokens=512, prefill_floor_tokens=64, decode_step_target_ms=250)
+
+
+def flight(rid: str, priority: Priority, prompt: int, owner: int, delivered: int = 0, max_tokens: int = 64) -> Flight:
+    add = AddRequest(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens), int(priority))
+    return Flight(add, asyncio.Queue(), Watermark(owner, delivered=[5] * delivered))
+
+
+class Service:
+    """One mixed worker (id 0) whose step costs 10 ms + 1 ms per token, with requests placed on it."""
+
+    def __init__(self, **cfg: object) -> None:
+        self.registry = WorkerRegistry()
+        self.registry.add(0, "ipc://w0", WorkerRole.MIXED)
+        self.report(used=0)
+        self.flights: list[Flight] = []
+        self.sent: list[Degrade] = []
+        self.d = Degradation(
+            DegradationConfig(**cfg),  # type: ignore[arg-type]
+            SloConfig(),
+            SCHED,
+            16,
+            Sources(self.registry, lambda: self.flights, self._send),
+        )
+
+    async def _send(self, orders: Degrade) -> None:
+        self.sent.append(orders)
+
+    def report(self, used: int, total: int = 1000) -> None:
+        self.registry.observe(
+            WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY, total, used, step_base_ms=10.0, step_token_ms=1.0)
+        )
+
+    def admit(self, priority: Priority, prompt: int = 64, output: int = 64) -> object:
+        return self.d.plan(f"r{len(self.flights)}-{priority}", priority, prompt, output)
+
+
+def test_predicted_ttft_counts_the_queue_ahead_at_or_above_the_priority_and_waits_for_kv():
+    w = WorkerLoad(0, 0.010, 0.001, kv_total=1000, kv_used=0)
+    alone = predict_ttft(w, 100, Priority.NORMAL, SCHED, 16)
+    assert alone == pytest.approx(0.010 + 0.100)  # one step of 100 prompt tokens
+    w.queued = [Queued(Priority.LOW, 400, 0, 0.0, 64)] * 4 + [Queued(Priority.HIGH, 300, 0, 0.0, 64)]
+    assert predict_ttft(w, 100, Priority.NORMAL, SCHED, 16) < predict_ttft(w, 100, Priority.LOW, SCHED, 16)
+    assert predict_ttft(w, 100, Priority.HIGH, SCHED, 16) == predict_ttft(w, 100, Priority.NORMAL, SCHED, 16)
+    w.queued = []
+    w.running = [Running(remaining_tokens=50, blocks=10, prompt_tokens=100, output_tokens=64)] * 100
+    paced = predict_ttft(w, 100, Priority.NORMAL, SCHED, 16)
+    assert paced > alone  # decodes share each step, prefill is paced beside them
+    w.kv_used = 995  # no room for 7 blocks: it waits for the first request to finish
+    assert predict_ttft(w, 100, Priority.NORMAL, SCHED, 16) >= paced + 50 * w.decode_step_s()
+    assert predict_ttft(WorkerLoad(0, 0.0, 0.0, 10, 0), 100, Priority.NORMAL, SCHED, 16) == 0.0  # not measured
+
+
+def test_window_percentiles_forget_old_values():
+    w = Window(10.0)
+    for i in range(100):
+        w.add(float(i), now=0.0)
+    assert w.percentile(0.99, now=1.0) == 98.0 and w.percentile(0.5, now=1.0) == 49.0
+    w.add(1000.0, now=20.0)
+    assert w.percentile(0.5, now=20.0) == 1000.0 and w.count(20.0) == 1
+
+
+def test_each_priority_has_a_bounded_queue():
+    s = Service(max_queued_low=3, enabled=False)
+    for i in range(3):
+        s.flights.append(flight(f"low{i}", Priority.LOW, 64, 0))
+    with pytest.raises(APIError) as refused:
+        s.admit(Priority.LOW)
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"]
+    s.admit(Priority.NORMAL)  # other priorities' queues are their own
+
+
+def test_l1_refuses_low_first_then_normal_and_never_high():
+    s = Service()
+    # 4 x 500 prompt tokens queued ahead: a new request waits ~4 steps of ~0.5 s.
+    for i in range(4):
+        s.flights.append(flight(f"n{i}", Priority.NORMAL, 500, 0))
+    with pytest.raises(APIError) as low:
+        s.admit(Priority.LOW)
+    assert low.value.status == 429
+    assert "wait about" in low.value.message and int(low.value.headers["Retry-After"]) >= 1
+    assert s.d.ladder.level >= Level.L1
+    with pytest.raises(APIError):
+        s.admit(Priority.NORMAL)
+    s.admit(Priority.HIGH)  # only high requests are ahead of a high one: none
+    # A shorter queue: normal's bar (TTFT p99 500 ms) passes, low's (p50 200 ms) does not.
+    s.flights = [flight("n", Priority.NORMAL, 300, 0)]
+    s.admit(Priority.NORMAL)
+    with pytest.raises(APIError):
+        s.admit(Priority.LOW)
+
+
+def test_l4_shortens_normal_and_low_and_leaves_high_alone():
+    s = Service(max_tokens_cap=32, max_context_tokens=100)
+    s.d.set_level(Level.L4)
+    normal = s.admit(Priority.NORMAL)
+    assert normal.max_tokens_cap == 32 and normal.context_cap == 100
+    high = s.admit(Priority.HIGH)
+    assert not high.shortened and high.level == Level.L4
+
+
+def test_l5_refuses_normal_and_low_and_admits_high_within_its_reserve():
+    s = Service(high_reserve=2)
+    s.d.set_level(Level.L5)
+    for p in (Priority.LOW, Priority.NORMAL):
+        with pytest.raises(APIError) as refused:
+            s.admit(p)
+        assert refused.value.status == 503 and refused.value.code == "circuit_open"
+    s.flights.append(flight("h0", Priority.HIGH, 64, 0, delivered=3))
+    s.admit(Priority.HIGH)  # 1 in flight, 1 admitted now: the reserve of 2 is used up
+    with pytest.raises(APIError) as high:
+        s.admit(Priority.HIGH)
+    assert high.value.status == 503
+
+
+def test_orders_follow_the_level_and_the_seed_rules_for_speculation():
+    s = Service()
+    assert s.d.orders(s.d.snapshot()) == Degrade()
+    s.d.set_level(Level.L2)
+    assert s.d.orders(s.d.snapshot()).speculate_below == 1  # high keeps speculating under load alone
+    s.report(used=900)  # KV over 85 %: nobody speculates
+    assert s.d.orders(s.d.snapshot()).speculate_below == 0
+    s.d.set_level(Level.L3)
+    orders = s.d.orders(s.d.snapshot())
+    assert orders.offload_from == Priority.LOW and orders.kv_target == 0.8
+    asyncio.run(s.d.tick())
+    assert s.sent[-1] == orders
+
+
+def test_truncation_keeps_the_system_prompt_and_latest_turns():
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        return [1] * sum(10 + len(m["content"]) for m in messages)
+
+    chat = [{"role": "system", "content": "s" * 20}]
+    for i in range(10):
+        chat.append({"role": "user", "content": f"question {i}" + "q" * 30})
+        chat.append({"role": "assistant", "content": f"answer {i}" + "a" * 30})
+    chat.append({"role": "user", "content": "last"})
+    ids, dropped = cut_chat(chat, 200, encode)
+    assert len(ids) <= 200 and dropped > 0
+    assert len(ids) == len(encode([chat[0], *chat[1 + dropped :]]))
+    assert chat[1 + dropped]["role"] == "user"  # the kept turns start with the user
+    ids, dropped = cut_chat(chat, 10, encode)  # not even system + last fit: those two are kept
+    assert dropped == len(chat) - 2
+    assert cut_prompt([7, *range(100)], 10, bos=7) == [7, *range(91, 100)]
+    assert cut_prompt(list(range(5)), 10, bos=7) == list(range(5))
+
+
+def test_l1_refuses_what_would_slow_every_stream_past_its_tpot_target_low_first():
+    s = Service()
+    s.d.set_level(Level.L1)
+    # 50 streams decoding (10-token prompts, 64 tokens out): with one more each token is expected to take
+    # 10 + 51 x 1 x (1 + 508 / 3264) = 69 ms (prompts arriving meanwhile included), under normal's 80 ms
+    # target but over low's share of it (60 ms).
+    s.flights = [flight(f"run{i}", Priority.NORMAL, 10, 0, delivered=2) for i in range(50)]
+    s.admit(Priority.NORMAL, prompt=8)
+    with pytest.raises(APIError) as low:
+        s.admit(Priority.LOW, prompt=8)
+    assert low.value.status == 429 and "each token would take about" in low.value.message
+    s.flights += [flight(f"more{i}", Priority.NORMAL, 10, 0, delivered=2) for i in range(15)]
+    with pytest.raises(APIError):
+        s.admit(Priority.NORMAL)
+    s.admit(Priority.HIGH)
+    assert s.d.orders(s.d.snapshot()).step_target_ms == 80.0  # L1+: steps kept within the TPOT target
+
+
+def test_predictions_learn_from_measured_ttfts():
+    s = Service()
+    raw = s.admit(Priority.NORMAL, prompt=100).predicted_ttft_ms / 1000
+    assert s.d.calibration == 1.0 and raw > 0
+    for i in range(200):  # every request takes twice what was predicted
+        rid = f"x{i}"
+        plan = s.d.plan(rid, Priority.NORMAL, 100, 64)
+        s.d.first_token(rid, Priority.NORMAL, 2 * plan.predicted_ttft_ms / 1000 / s.d.calibration)
+        s.d.ended(rid)
+    assert s.d.calibration == pytest.approx(2.0, rel=0.05)
+    assert s.d.view()["ttft_calibration"] == pytest.approx(2.0, rel=0.05)

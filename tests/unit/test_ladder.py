@@ -1,0 +1,147 @@
+"""The degradation ladder's controller on injected signals and a fake clock: each level's trigger,
+escalation to L4 and L5, the way back down to L0, hysteresis against noisy signals, manual override."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from steadfast.config import DegradationConfig
+from steadfast.control.ladder import Ladder, Level, Snapshot
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def snap(**kw: float) -> Snapshot:
+    base = dict(
+        kv_use=0.1,
+        queued=0,
+        load=0.1,
+        predicted_ttft_ms=20.0,
+        ttft_p99_ms=50.0,
+        tpot_p99_ms=20.0,
+        ttft_slo_ms=500.0,
+        tpot_slo_ms=80.0,
+    )
+    base.update(kw)
+    return Snapshot(**base)  # type: ignore[arg-type]
+
+
+def ladder(**cfg: float) -> tuple[Ladder, Clock]:
+    clock = Clock()
+    return Ladder(DegradationConfig(**cfg), clock=clock, wall=clock), clock  # type: ignore[arg-type]
+
+
+def run(lad: Ladder, clock: Clock, s: Snapshot, seconds: float, tick: float = 0.5) -> None:
+    end = clock.t + seconds
+    while clock.t < end:
+        clock.t += tick
+        lad.step(s)
+
+
+@pytest.mark.parametrize(
+    ("signals", "level", "why"),
+    [
+        (dict(predicted_ttft_ms=450), Level.L1, "predicted TTFT"),
+        (dict(ttft_p99_ms=420), Level.L1, "observed TTFT"),
+        (dict(kv_use=0.86), Level.L2, "KV use"),
+        (dict(queued=40), Level.L2, "queued"),
+        (dict(load=0.75), Level.L2, "load"),
+        (dict(kv_use=0.93), Level.L3, "KV use"),
+    ],
+)
+def test_each_trigger_raises_its_level_at_once_and_says_why(signals, level, why):
+    lad, _ = ladder()
+    change = lad.step(snap(**signals), rise_only=True)
+    assert change is not None and change.new == level and why in change.reason
+    assert lad.level == level and change.signals["kv_use"] == snap(**signals).kv_use
+
+
+def test_a_broken_slo_escalates_one_level_per_interval_up_to_l4_and_severe_to_l5():
+    lad, clock = ladder(escalate_after_s=2, min_dwell_s=2)
+    broken = snap(predicted_ttft_ms=600, ttft_p99_ms=700)  # over the 500 ms target, not 3x
+    lad.step(broken)
+    assert lad.level == Level.L1
+    run(lad, clock, broken, 2.0)
+    assert lad.level == Level.L2
+    run(lad, clock, broken, 4.0)
+    assert lad.level == Level.L4  # and no further: not severe
+    run(lad, clock, broken, 10.0)
+    assert lad.level == Level.L4
+    severe = snap(predicted_ttft_ms=2000, ttft_p99_ms=1600)
+    run(lad, clock, severe, 1.5)
+    assert lad.level == Level.L4  # severe only for 1.5 s
+    run(lad, clock, severe, 1.0)
+    assert lad.level == Level.L5
+    assert "SLO broken 3.0x" in lad.history[-1].reason
+
+
+def test_the_level_comes_back_to_l0_one_step_per_dwell_when_load_subsides():
+    lad, clock = ladder(escalate_after_s=1, min_dwell_s=3)
+    run(lad, clock, snap(kv_use=0.95, ttft_p99_ms=2000, predicted_ttft_ms=2000), 6)
+    assert lad.level == Level.L5
+    calm = snap()
+    levels = []
+    for _ in range(40):
+        clock.t += 0.5
+        lad.step(calm)
+        levels.append(lad.level)
+    assert levels[-1] == Level.L0
+    falls = [c for c in lad.history if c.new < c.old]
+    assert [c.new for c in falls] == [Level.L4, Level.L3, Level.L2, Level.L1, Level.L0]
+    gaps = [b.at - a.at for a, b in zip(falls, falls[1:], strict=False)]
+    assert all(g >= 3 for g in gaps), gaps  # each level held its dwell time
+
+
+def test_no_fall_while_a_signal_is_between_its_exit_and_enter_thresholds():
+    lad, clock = ladder(min_dwell_s=1)
+    lad.step(snap(kv_use=0.87))
+    run(lad, clock, snap(kv_use=0.8), 30)  # below enter (0.85), above exit (0.75)
+    assert lad.level == Level.L2 and len(lad.history) == 1
+    run(lad, clock, snap(kv_use=0.7), 3)
+    assert lad.level == Level.L0
+
+
+def test_noisy_signals_around_a_threshold_do_not_flap():
+    """KV use and predicted TTFT jitter around their enter thresholds for ten minutes: the level may
+    rise once and then stays (the noise never reaches the exit thresholds); and a signal that swings
+    across both thresholds every tick moves the level at most twice per dwell time."""
+    rng = random.Random(7)
+    lad, clock = ladder(min_dwell_s=5)
+    for _ in range(1200):
+        clock.t += 0.5
+        lad.step(snap(kv_use=0.85 + rng.uniform(-0.05, 0.05), predicted_ttft_ms=400 + rng.uniform(-60, 60)))
+    assert len(lad.history) <= 2, [(c.old, c.new, c.reason) for c in lad.history]
+
+    lad, clock = ladder(min_dwell_s=5)
+    for i in range(1200):
+        clock.t += 0.5
+        lad.step(snap(kv_use=0.9 if i % 2 else 0.5))
+        assert lad.changes_within(60) <= 2 * 60 / 5 + 1
+    assert len(lad.history) <= 2 * 600 / 5 + 1
+
+
+def test_an_operator_level_holds_until_auto_and_the_controller_resumes_from_it():
+    lad, clock = ladder(min_dwell_s=1)
+    change = lad.set(Level.L5, snap())
+    assert change is not None and change.manual and lad.level == Level.L5
+    run(lad, clock, snap(), 10)
+    assert lad.level == Level.L5  # held against calm signals
+    lad.set(None, snap())
+    run(lad, clock, snap(), 10)
+    assert lad.level == Level.L0
+
+
+def test_a_disabled_ladder_never_moves_by_itself():
+    lad, clock = ladder(enabled=False)
+    run(lad, clock, snap(kv_use=0.99, ttft_p99_ms=5000, predicted_ttft_ms=5000), 30)
+    assert lad.level == Level.L0 and not lad.history
