@@ -4,10 +4,10 @@ level, or back to automatic control). Behind the guard's admin check like every 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Level
@@ -16,7 +16,9 @@ from steadfast.control.serving import ServingContext
 
 class LevelBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    level: int | Literal["auto"] = Field(description="0..5 holds that level until set back to auto")
+    level: Annotated[StrictInt, Field(ge=0, le=5)] | Literal["auto"] = Field(
+        description="0..5 holds that level until set back to auto"
+    )
 
 
 def add_degradation_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -34,9 +36,7 @@ def add_degradation_routes(app: FastAPI, ctx: ServingContext) -> None:
         d = ladder()
         if body.level == "auto":
             d.set_level(None)
-        elif isinstance(body.level, int) and Level.L0 <= body.level <= Level.L5:
+        else:
             d.set_level(Level(body.level))
             await d.tick()  # the workers hear the new orders now, not at the next tick
-        else:
-            raise APIError(f"'level' must be 0..5 or \"auto\", got {body.level}.", param="level")
         return d.view()

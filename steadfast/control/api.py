@@ -263,7 +263,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
         async def cut(cap: int) -> tuple[list[int], int]:
             return cut_prompt(ids, cap, ctx.tokenizer.info.bos_token_id), 0
 
-        prepared = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut)
+        prepared = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut, resuming(body, http))
 
         def choice(text: str) -> dict[str, Any]:
             return {"index": 0, "text": text, "logprobs": None}
@@ -288,7 +288,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
         async def cut(cap: int) -> tuple[list[int], int]:
             return await ctx.off_loop(cut_chat, messages, cap, ctx.tokenizer.encode_chat)
 
-        prepared = await admit(ctx, body, ids, body.token_limit, "chatcmpl", cut)
+        prepared = await admit(ctx, body, ids, body.token_limit, "chatcmpl", cut, resuming(body, http))
 
         def choice(text: str) -> dict[str, Any]:
             return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
@@ -296,6 +296,11 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
         return await respond(ctx, prepared, body, http, stream_chat, "chat.completion", choice)
 
     return app
+
+
+def resuming(body: CompletionRequest | ChatCompletionRequest, http: Request) -> bool:
+    """A streamed request with Last-Event-ID continues an accepted one (streams.reconnect checks it)."""
+    return bool(body.stream and http.headers.get("last-event-id"))
 
 
 def check_chars(ctx: ServingContext, chars: int, param: str) -> None:

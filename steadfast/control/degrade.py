@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +21,7 @@ from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
 from steadfast.control.delivery import Flight
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Ladder, Level, LevelChange, Snapshot
-from steadfast.control.signals import Latencies, Queued, Running, WorkerLoad, predict_ttft
+from steadfast.control.signals import Calibration, Latencies, Queued, Running, WorkerLoad, predict_ttft
 from steadfast.control.workers import WorkerHandle, WorkerRegistry
 from steadfast.protocol import Degrade, Priority, WorkerRole
 
@@ -31,11 +29,8 @@ log = logging.getLogger("steadfast.degradation")
 
 PROTECTED = (Priority.HIGH, Priority.NORMAL)  # whose observed latencies say whether the SLO holds
 LOW_TPOT_SHARE = 0.75  # low priority is refused when a token would take this share of its TPOT p99 target
-# Predicted TTFTs are corrected by what was measured: mean log(actual / predicted), each request weighing
-# this much, the factor held within these bounds (the machine's other load, steps the model misses).
-CALIBRATION_RATE = 0.05
-CALIBRATION_MIN, CALIBRATION_MAX = 0.5, 4.0
-TYPICAL_PROMPT = 64  # tokens of the "typical new request" the level's prediction is made for, until some are seen
+TYPICAL_PROMPT = 64  # tokens of the new request the level's signals are predicted for (load, TTFT)
+TYPICAL_OUTPUT = 128  # tokens of the "typical new request" the level's prediction is made for, until some are seen
 UNPLACED_TTL_S = 30.0  # an admitted request whose stream never started is forgotten after this
 RESEND_EVERY = 10  # ticks between re-sends of the orders to every worker (one that joined or was promoted)
 
@@ -98,11 +93,12 @@ class Degradation:
     ladder: Ladder = field(init=False)
     latencies: dict[Priority, Latencies] = field(init=False)
     _unplaced: dict[str, Queued] = field(default_factory=dict)
-    _prompts: deque[int] = field(default_factory=lambda: deque(maxlen=64))
     _observed: tuple[float, float] = (0.0, 0.0)  # TTFT, TPOT p99 (ms) of the protected priorities at the last tick
     _orders: Degrade = field(default_factory=Degrade)
-    _predicted: dict[str, float] = field(default_factory=dict)  # uncalibrated TTFT predictions of queued requests
-    _log_error: float = 0.0
+    # Predictions corrected by what was measured (the machine's other load, what arrives later).
+    ttft_model: Calibration = field(default_factory=Calibration)
+    tpot_model: Calibration = field(default_factory=Calibration)
+    _predicted: dict[str, tuple[float, float]] = field(default_factory=dict)  # own TTFT, TPOT figures, in flight
     _ticks: int = 0
 
     def __post_init__(self) -> None:
@@ -135,10 +131,9 @@ class Degradation:
             add, done = f.add, len(f.mark.delivered)
             prompt, most = len(add.prompt_ids), add.params.max_tokens
             if done:
-                blocks = -(-(prompt + most) // self.block_size)
-                load.running.append(Running(max(0, most - done), blocks, prompt, most))
+                load.running.append(Running(max(0, most - done), -(-(prompt + most) // self.block_size)))
             else:
-                load.queued.append(Queued(Priority(add.priority), prompt, f.mark.owner, f.progress, most))
+                load.queued.append(Queued(Priority(add.priority), prompt, f.mark.owner, f.progress))
         for q in self._unplaced.values():
             if q.worker in loads:
                 loads[q.worker].queued.append(q)
@@ -153,7 +148,7 @@ class Degradation:
         best = (0.0, -1)
         target = self.step_target_ms(self.ladder.level)
         for w in loads:
-            t = self.calibration * predict_ttft(w, prompt, priority, self.sched, self.block_size, target)
+            t = self.ttft_model.factor * predict_ttft(w, prompt, priority, self.sched, self.block_size, target)
             if best[1] < 0 or t < best[0]:
                 best = (t, w.worker_id)
         return best
@@ -161,14 +156,17 @@ class Degradation:
     def snapshot(self, loads: list[WorkerLoad] | None = None) -> Snapshot:
         loads = self.loads() if loads is None else loads
         total = sum(w.kv_total for w in loads)
-        typical = int(statistics.median(self._prompts)) if self._prompts else TYPICAL_PROMPT
+        # Load: what a typical new request's tokens would take where work runs (an idle worker has none).
+        tpot = self.tpot_model.factor
+        busy = [w for w in loads if w.token_s > 0 and (w.running or w.queued)]
+        typical = [tpot * w.tpot_s(TYPICAL_PROMPT, TYPICAL_OUTPUT) for w in busy]
         normal = self.slo.targets(Priority.NORMAL)
         tpot_slo = normal.tpot_ms.p99 / 1000
         return Snapshot(
             kv_use=sum(w.kv_used for w in loads) / total if total else 0.0,
             queued=sum(len(w.queued) for w in loads),
-            load=max((w.stream_step_s() / tpot_slo for w in loads if w.token_s > 0), default=0.0),
-            predicted_ttft_ms=1000 * self._predict(loads, typical, Priority.NORMAL)[0],
+            load=max(typical, default=0.0) / tpot_slo,
+            predicted_ttft_ms=1000 * self._predict(loads, TYPICAL_PROMPT, Priority.NORMAL)[0],
             ttft_p99_ms=self._observed[0],
             tpot_p99_ms=self._observed[1],
             ttft_slo_ms=normal.ttft_ms.p99,
@@ -230,12 +228,13 @@ class Degradation:
                     max(1, math.ceil(predicted - bar)),
                 )
             # ...and one that would slow every stream of its worker past its TPOT target once it decodes
-            # beside all that is running and queued there.
+            # beside all that is running and queued there: low from L1, normal once the SLO stayed broken
+            # through L1-L3 (L4).
             chosen = next((w for w in loads if w.worker_id == worker), None)
             tpot = self.slo.targets(priority).tpot_ms.p99 * (1.0 if priority == Priority.NORMAL else LOW_TPOT_SHARE)
             step = 0.0
-            if chosen is not None and chosen.token_s > 0:
-                step = chosen.stream_step_s(prompt_tokens, max(1, output_tokens))
+            if chosen is not None and chosen.token_s > 0 and (priority == Priority.LOW or level >= Level.L4):
+                step = self.tpot_model.factor * chosen.tpot_s(prompt_tokens, output_tokens)
             if step * 1000 > tpot:
                 self._refuse(
                     priority,
@@ -249,10 +248,13 @@ class Degradation:
         if shortened:
             plan.max_tokens_cap = self.cfg.max_tokens_cap
             plan.context_cap = self.cfg.max_context_tokens
-        self._prompts.append(prompt_tokens)
-        self._unplaced[request_id] = Queued(priority, prompt_tokens, worker, time.monotonic(), output_tokens)
-        if predicted > 0:
-            self._predicted[request_id] = predicted / self.calibration
+        self._unplaced[request_id] = Queued(priority, prompt_tokens, worker, time.monotonic())
+        chosen = next((w for w in loads if w.worker_id == worker), None)
+        if chosen is not None and chosen.token_s > 0:  # the models' own figures, to learn from
+            self._predicted[request_id] = (
+                predicted / self.ttft_model.factor,
+                chosen.tpot_s(prompt_tokens, output_tokens),
+            )
         return plan
 
     def _refuse(self, priority: Priority, status: int, message: str, retry_after: int) -> None:
@@ -265,24 +267,18 @@ class Degradation:
     # --- the request's life (serving.Generation) -----------------------------------------------
     def first_token(self, request_id: str, priority: Priority, seconds: float) -> None:
         self.latencies[priority].ttft.add(seconds, time.monotonic())
-        raw = self._predicted.pop(request_id, 0.0)
-        if raw > 0:
-            # The model's error, learnt: a running mean of log(actual / predicted) over recent requests.
-            err = math.log(max(seconds, 1e-3) / raw)
-            self._log_error += CALIBRATION_RATE * (err - self._log_error)
+        if request_id in self._predicted:
+            self.ttft_model.learn(self._predicted[request_id][0], seconds)
 
-    def finished(self, priority: Priority, tpot: float) -> None:
+    def finished(self, request_id: str, priority: Priority, tpot: float) -> None:
         """A request's mean time per output token after its first (what its TPOT target is about)."""
         self.latencies[priority].tpot.add(tpot, time.monotonic())
+        if request_id in self._predicted:
+            self.tpot_model.learn(self._predicted[request_id][1], tpot)
 
     def ended(self, request_id: str) -> None:
         self._unplaced.pop(request_id, None)
         self._predicted.pop(request_id, None)
-
-    @property
-    def calibration(self) -> float:
-        """What measured TTFTs say the predictions should be multiplied by (within bounds)."""
-        return min(CALIBRATION_MAX, max(CALIBRATION_MIN, math.exp(self._log_error)))
 
     # --- the controller ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -340,9 +336,31 @@ class Degradation:
         if self.on_change is not None:
             self.on_change(change)
 
+    def worker_signals(self, loads: list[WorkerLoad]) -> list[dict[str, float]]:
+        """Each serving worker's own signals: KV use, requests, a typical new normal request's predicted
+        TTFT and time per token there (calibrated)."""
+        target = self.step_target_ms(self.ladder.level)
+        rows = []
+        for w in loads:
+            ttft = predict_ttft(w, TYPICAL_PROMPT, Priority.NORMAL, self.sched, self.block_size, target)
+            tpot = w.tpot_s(TYPICAL_PROMPT, TYPICAL_OUTPUT) if w.token_s > 0 else 0.0
+            rows.append(
+                {
+                    "worker": w.worker_id,
+                    "kv_use": round(w.kv_use, 3),
+                    "running": len(w.running),
+                    "queued": len(w.queued),
+                    "predicted_ttft_ms": round(1000 * self.ttft_model.factor * ttft, 1),
+                    "predicted_tpot_ms": round(1000 * self.tpot_model.factor * tpot, 1),
+                }
+            )
+        return rows
+
     def view(self) -> dict[str, Any]:
-        """GET /admin/degradation: the level, what it does to each priority, why, the signals, the history."""
-        snap = self.snapshot()
+        """GET /admin/degradation: the level, what it does to each priority, why, the signals (service-wide
+        and per worker), the history."""
+        loads = self.loads()
+        snap = self.snapshot(loads)
         level = self.ladder.level
         orders = self.orders(snap)
         now = time.monotonic()
@@ -378,7 +396,9 @@ class Degradation:
             "since_s": round(now - self.ladder.since, 3),
             "reason": self.ladder.reason,
             "signals": snap.as_dict(),
-            "ttft_calibration": round(self.calibration, 3),  # measured / predicted TTFT, learnt
+            "workers": self.worker_signals(loads),
+            # measured / predicted, learnt from finished requests
+            "calibration": {"ttft": round(self.ttft_model.factor, 3), "tpot": round(self.tpot_model.factor, 3)},
             "priorities": per_priority,
             "history": [c.as_dict() for c in self.ladder.history],
         }

@@ -90,24 +90,29 @@ async def admit(
     max_tokens: int | None,
     prefix: str,
     cut: Cutter,
+    resuming: bool = False,
 ) -> Prepared:
     """A new request through the degradation ladder (refused with 429/503, or shortened at L4), then
-    prepared. The ladder counts it as queued from here until its first token or its end."""
+    prepared. The ladder counts it as queued from here until its first token or its end. A client
+    resuming its stream (`resuming`: Last-Event-ID) continues a request accepted before: never refused."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
+    prepared = prepare(ctx, body, prompt_ids, max_tokens, rid)  # bad input is a 400 before any ladder decision
     ladder = ctx.degradation
-    if ladder is None:
-        return prepare(ctx, body, prompt_ids, max_tokens, rid)
-    most = max_tokens if max_tokens is not None else ctx.max_model_len - len(prompt_ids)
-    plan = ladder.plan(rid, Priority[body.priority.upper()], len(prompt_ids), max(1, most))
+    if ladder is None or resuming:
+        return prepared
+    plan = ladder.plan(rid, Priority[body.priority.upper()], len(prompt_ids), prepared.add.params.max_tokens)
+    if not plan.level:
+        return prepared
     try:
-        notice = Notice(int(plan.level)) if plan.level else None
-        if notice is not None and plan.context_cap and len(prompt_ids) > plan.context_cap:
+        notice = Notice(int(plan.level))
+        if plan.context_cap and len(prompt_ids) > plan.context_cap:
             before = len(prompt_ids)
             prompt_ids, notice.dropped_messages = await cut(plan.context_cap)
             notice.truncated_tokens = before - len(prompt_ids)
-        if notice is not None and plan.max_tokens_cap and (max_tokens is None or max_tokens > plan.max_tokens_cap):
+        if plan.max_tokens_cap and (max_tokens is None or max_tokens > plan.max_tokens_cap):
             max_tokens = notice.max_tokens = plan.max_tokens_cap
-        prepared = prepare(ctx, body, prompt_ids, max_tokens, rid)
+        if notice.truncated_tokens or notice.max_tokens:
+            prepared = prepare(ctx, body, prompt_ids, max_tokens, rid)
     except BaseException:
         ladder.ended(rid)
         raise
@@ -235,7 +240,7 @@ class Generation:
                     self.finish_reason = out.finish_reason
                     if ladder is not None and self.first_at and self.completion_tokens > self.p.have_tokens + 1:
                         decoded = self.completion_tokens - self.p.have_tokens - 1
-                        ladder.finished(priority, (now - self.first_at) / decoded)
+                        ladder.finished(self.p.request_id, priority, (now - self.first_at) / decoded)
                     m.requests.labels(out.finish_reason).inc()
                     m.e2e.observe(now - self.arrival)
                 yield out

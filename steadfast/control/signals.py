@@ -63,7 +63,6 @@ class Queued:
     prompt_tokens: int
     worker: int  # where it was placed (or expected to be, before the router sends it)
     admitted_at: float
-    output_tokens: int  # the most it may produce (max_tokens)
 
 
 @dataclass
@@ -72,8 +71,6 @@ class Running:
 
     remaining_tokens: int
     blocks: int
-    prompt_tokens: int
-    output_tokens: int
 
 
 @dataclass
@@ -97,17 +94,32 @@ class WorkerLoad:
         """Expected time of a step that decodes every running request (and `extra` more)."""
         return self.base_s + (len(self.running) + extra) * self.token_s
 
-    def stream_step_s(self, prompt: int = 0, output: int = 0) -> float:
-        """Expected time per output token of its streams once every request running and queued here (and
-        one more of `prompt` and `output` tokens, if given) decodes: a step decodes them all, and also
-        carries the prompts of the requests that arrive meanwhile — in a steady state as many as run,
-        so each stream's tokens pay for prompt/output of prefill as well."""
-        n = len(self.running) + len(self.queued) + (1 if output else 0)
-        if not n:
-            return self.base_s
-        prompts = sum(r.prompt_tokens for r in self.running) + sum(q.prompt_tokens for q in self.queued) + prompt
-        outputs = sum(r.output_tokens for r in self.running) + sum(q.output_tokens for q in self.queued) + output
-        return self.base_s + n * self.token_s * (1 + prompts / max(1, outputs))
+    def tpot_s(self, prompt: int, output: int) -> float:
+        """Expected time per output token of a new request of `prompt` and `output` tokens placed here, from
+        what is known now: each step decodes every request running and queued here, and the prompts queued
+        (its own included) are computed within its `output` steps. What arrives later is not known: the
+        ladder corrects this by what finished requests measured (`Calibration`)."""
+        n = len(self.running) + len(self.queued) + 1
+        prefill = sum(q.prompt_tokens for q in self.queued) + prompt
+        return self.base_s + n * self.token_s + prefill * self.token_s / max(1, output)
+
+
+class Calibration:
+    """How far measurements are from a model's predictions: a running mean of log(measured / predicted),
+    each observation weighing `rate`, the factor held within [`low`, `high`]."""
+
+    def __init__(self, rate: float = 0.05, low: float = 0.5, high: float = 4.0) -> None:
+        self.rate, self.low, self.high = rate, low, high
+        self._log = 0.0
+
+    @property
+    def factor(self) -> float:
+        return min(self.high, max(self.low, math.exp(self._log)))
+
+    def learn(self, predicted: float, measured: float) -> None:
+        """`predicted`: the model's own figure (not multiplied by the factor)."""
+        if predicted > 0:
+            self._log += self.rate * (math.log(max(measured, 1e-4) / predicted) - self._log)
 
 
 def predict_ttft(

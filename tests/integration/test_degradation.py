@@ -54,6 +54,14 @@ def set_level(server: ServerProcess, value: int | str) -> dict:
     return r.json()
 
 
+def back_to_l0(server: ServerProcess, seconds: float) -> None:
+    try:
+        wait_until(lambda: level(server)["level"] == 0, seconds, "the ladder to come back to L0 by itself")
+    except AssertionError:
+        state = level(server)
+        raise AssertionError(f"still at L{state['level']}: {state['reason']}; {state['signals']}") from None
+
+
 def chat(server: ServerProcess, messages: list[dict], priority: str, max_tokens: int, **extra) -> httpx.Response:
     body = {
         "model": model(server),
@@ -133,7 +141,7 @@ def test_each_level_set_by_an_operator_does_what_it_says_and_auto_brings_it_back
         timeout=60,
     )
     assert out.returncode == 0 and "(auto)" in out.stdout, out.stderr
-    wait_until(lambda: level(server)["level"] == 0, 30, "the ladder to come back to L0")
+    back_to_l0(server, 30)
     history = level(server)["history"]
     assert [c["new"] for c in history if c["manual"]] == [2, 4, 5]
     falls = [c["new"] for c in history if not c["manual"]]
@@ -203,7 +211,7 @@ def test_a_burst_of_low_streams_is_shed_and_every_high_request_served(server):
     assert accepted and all(r == (200, 24, "length") for r in accepted), [r for r in accepted if r[1] != 24]
     history = level(server)["history"]
     assert max(c["new"] for c in history) >= 1
-    wait_until(lambda: level(server)["level"] == 0, 60, "the ladder to come back to L0 by itself")
+    back_to_l0(server, 60)
 
 
 TIER_CONFIG = """
@@ -279,4 +287,4 @@ def test_kv_pressure_takes_the_ladder_to_l3_and_offloaded_low_requests_keep_ever
     want = {rid: [t for o in outs for t in o.token_ids] for rid, outs in engine.generate(reqs).items()}
     assert lows == [want[f"r{i}"] for i in range(4)]
     assert high == want["high"]
-    wait_until(lambda: level(server)["level"] == 0, 30, "the ladder to come back to L0")
+    back_to_l0(server, 30)
