@@ -28,6 +28,7 @@ from steadfast.protocol import Degrade, Priority, WorkerRole
 log = logging.getLogger("steadfast.degradation")
 
 PROTECTED = (Priority.HIGH, Priority.NORMAL)  # whose observed latencies say whether the SLO holds
+REFUSE_FROM = {Priority.LOW: Level.L1, Priority.NORMAL: Level.L4}  # refusal by predicted TTFT/TPOT
 LOW_TPOT_SHARE = 0.75  # low priority is refused when a token would take this share of its TPOT p99 target
 TYPICAL_PROMPT = 64  # tokens of the new request the level's signals are predicted for (load, TTFT)
 TYPICAL_OUTPUT = 128  # tokens of the "typical new request" the level's prediction is made for, until some are seen
@@ -212,7 +213,9 @@ class Degradation:
                     f"{priority.label}-priority requests; requests in flight continue. Retry later.",
                     self.cfg.retry_after_s,
                 )
-        if level >= Level.L1 and priority != Priority.HIGH:
+        # Refused by prediction, lowest priority first: low from L1, normal once its SLO stayed broken
+        # through L1-L3 (L4), high never.
+        if level >= REFUSE_FROM.get(priority, Level.L5 + 1):
             target = self.slo.targets(priority).ttft_ms
             bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000  # low gives way first
             # A prompt that alone takes longer than the target is judged by what others add to it.
@@ -228,12 +231,11 @@ class Degradation:
                     max(1, math.ceil(predicted - bar)),
                 )
             # ...and one that would slow every stream of its worker past its TPOT target once it decodes
-            # beside all that is running and queued there: low from L1, normal once the SLO stayed broken
-            # through L1-L3 (L4).
+            # beside all that is running and queued there.
             chosen = next((w for w in loads if w.worker_id == worker), None)
             tpot = self.slo.targets(priority).tpot_ms.p99 * (1.0 if priority == Priority.NORMAL else LOW_TPOT_SHARE)
             step = 0.0
-            if chosen is not None and chosen.token_s > 0 and (priority == Priority.LOW or level >= Level.L4):
+            if chosen is not None and chosen.token_s > 0:
                 step = self.tpot_model.factor * chosen.tpot_s(prompt_tokens, output_tokens)
             if step * 1000 > tpot:
                 self._refuse(
@@ -372,8 +374,8 @@ class Degradation:
                 admission = "refused (503)"
             elif level >= Level.L5:
                 admission = f"within the reserve of {self.cfg.high_reserve} per worker"
-            elif level >= Level.L1 and p != Priority.HIGH:
-                admission = "refused (429) when its predicted TTFT breaks its target"
+            elif level >= REFUSE_FROM.get(p, Level.L5 + 1):
+                admission = "refused (429) when its predicted TTFT or TPOT breaks its target"
             else:
                 admission = "open"
             per_priority[p.label] = {

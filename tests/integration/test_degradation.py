@@ -152,23 +152,38 @@ def test_each_level_set_by_an_operator_does_what_it_says_and_auto_brings_it_back
     )
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, int, str | None]:
-    """(status, tokens received, finish reason) of one streamed completion."""
-    tokens, finish = 0, None
-    async with client.stream("POST", url, json=body) as r:
+def stream_body(server: ServerProcess, prompt: str, priority: str, tokens: int) -> dict:
+    """A greedy streamed completion of `tokens` tokens (EOS ignored), with its token ids."""
+    return {
+        "model": model(server),
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "priority": priority,
+    }
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[int], str | None]:
+    """(status, token ids received, finish reason) of one streamed completion."""
+    ids: list[int] = []
+    finish = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return r.status_code, 0, None
+            return r.status_code, [], None
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return 500, tokens, "error"
+                return 500, ids, "error"
             for choice in chunk["choices"]:
-                tokens += len(choice.get("token_ids") or [])
+                ids += choice.get("token_ids") or []
                 finish = choice.get("finish_reason") or finish
-    return 200, tokens, finish
+    return 200, ids, finish
 
 
 def test_a_burst_of_low_streams_is_shed_and_every_high_request_served(server):
@@ -176,20 +191,10 @@ def test_a_burst_of_low_streams_is_shed_and_every_high_request_served(server):
     refused at admission (429, or 503 once the breaker opens), every high one is admitted and streamed
     to its last token, every accepted stream ends with all its tokens, and the level goes back to L0."""
     assert level(server)["level"] == 0
-    url = server.url + "/v1/completions"
-    name = model(server)
+    url = server.url
 
     def body(i: int, priority: str, tokens: int) -> dict:
-        return {
-            "model": name,
-            "prompt": PROMPTS[i % len(PROMPTS)] * 4,
-            "max_tokens": tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-            "priority": priority,
-        }
+        return stream_body(server, PROMPTS[i % len(PROMPTS)] * 4, priority, tokens)
 
     async def burst() -> tuple[list, list]:
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
@@ -203,7 +208,8 @@ def test_a_burst_of_low_streams_is_shed_and_every_high_request_served(server):
             return await asyncio.gather(*lows), await asyncio.gather(*highs)
 
     lows, highs = asyncio.run(burst())
-    assert highs == [(200, 24, "length")] * 5
+    lows = [(status, len(ids), finish) for status, ids, finish in lows]
+    assert [(status, len(ids), finish) for status, ids, finish in highs] == [(200, 24, "length")] * 5
     accepted = [r for r in lows if r[0] == 200]
     refused = [r for r in lows if r[0] in (429, 503)]
     assert len(accepted) + len(refused) == len(lows), {r[0] for r in lows}
@@ -237,37 +243,19 @@ def test_kv_pressure_takes_the_ladder_to_l3_and_offloaded_low_requests_keep_ever
     arriving then finds free); every stream's tokens are those of an undisturbed run; back to L0 after."""
     server = tier_server
     prompts = [(PROMPTS[i] + " ") * 12 for i in range(4)]
-    name = model(server)
-
-    def body(prompt: str, priority: str, tokens: int) -> dict:
-        return {
-            "model": name,
-            "prompt": prompt,
-            "max_tokens": tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-            "priority": priority,
-        }
 
     async def tokens_of(client: httpx.AsyncClient, b: dict) -> list[int]:
-        ids: list[int] = []
-        async with client.stream("POST", server.url + "/v1/completions", json=b) as r:
-            assert r.status_code == 200, await r.aread()
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:])["choices"]:
-                        ids += choice.get("token_ids") or []
+        status, ids, finish = await _stream(client, server.url, b)
+        assert (status, finish) == (200, "length")
         return ids
 
     async def load() -> tuple[list[list[int]], list[int]]:
         async with httpx.AsyncClient(timeout=180) as client:
-            lows = [asyncio.create_task(tokens_of(client, body(p, "low", LOW_TOKENS))) for p in prompts]
+            lows = [asyncio.create_task(tokens_of(client, stream_body(server, p, "low", LOW_TOKENS))) for p in prompts]
             await asyncio.to_thread(
                 wait_until, lambda: level(server)["level"] >= 3, 60, "KV pressure to take the ladder to L3"
             )
-            high = await tokens_of(client, body(PROMPTS[5], "high", 16))
+            high = await tokens_of(client, stream_body(server, PROMPTS[5], "high", 16))
             return list(await asyncio.gather(*lows)), high
 
     lows, high = asyncio.run(load())

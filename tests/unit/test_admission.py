@@ -93,7 +93,7 @@ def test_each_priority_has_a_bounded_queue():
     s.admit(Priority.NORMAL)  # other priorities' queues are their own
 
 
-def test_l1_refuses_low_first_then_normal_and_never_high():
+def test_predicted_ttft_refuses_low_from_l1_normal_from_l4_and_never_high():
     s = Service()
     # 4 x 500 prompt tokens queued ahead: a new request waits ~4 steps of ~0.5 s.
     for i in range(4):
@@ -102,11 +102,15 @@ def test_l1_refuses_low_first_then_normal_and_never_high():
         s.admit(Priority.LOW)
     assert low.value.status == 429
     assert "wait about" in low.value.message and int(low.value.headers["Retry-After"]) >= 1
-    assert s.d.ladder.level >= Level.L1
+    assert Level.L1 <= s.d.ladder.level < Level.L4
+    s.admit(Priority.NORMAL)  # normal gives way only once shedding low did not keep the SLO (L4)
+    s.d.set_level(Level.L4)
     with pytest.raises(APIError):
         s.admit(Priority.NORMAL)
     s.admit(Priority.HIGH)  # only high requests are ahead of a high one: none
     # A shorter queue: normal's bar (TTFT p99 500 ms) passes, low's (p50 200 ms) does not.
+    s = Service()
+    s.d.set_level(Level.L4)
     s.flights = [flight("n", Priority.NORMAL, 300, 0)]
     s.admit(Priority.NORMAL)
     with pytest.raises(APIError):
