@@ -28,7 +28,8 @@ from steadfast.protocol import Degrade, Priority, WorkerRole
 log = logging.getLogger("steadfast.degradation")
 
 PROTECTED = (Priority.HIGH, Priority.NORMAL)  # whose observed latencies say whether the SLO holds
-REFUSE_FROM = {Priority.LOW: Level.L1, Priority.NORMAL: Level.L4}  # refusal by predicted TTFT/TPOT
+# Refusal by predicted TTFT from these levels (by predicted TPOT: low from L1, normal from L4).
+REFUSE_FROM = {Priority.LOW: Level.L1, Priority.NORMAL: Level.L1}
 LOW_TPOT_SHARE = 0.75  # low priority is refused when a token would take this share of its TPOT p99 target
 TYPICAL_PROMPT = 64  # tokens of the new request the level's signals are predicted for (load, TTFT)
 TYPICAL_OUTPUT = 128  # tokens of the "typical new request" the level's prediction is made for, until some are seen
@@ -187,9 +188,38 @@ class Degradation:
         loads = self.loads()
         self._changed(self.ladder.step(self.snapshot(loads), rise_only=True))
         level = self.ladder.level
-        serving = max(1, len(loads))
+        self._check_queue(loads, priority)
+        shortened = level >= Level.L4 and priority != Priority.HIGH
+        if shortened:  # predicted as it will be
+            prompt_tokens = min(prompt_tokens, self.cfg.max_context_tokens)
+            output_tokens = min(output_tokens, self.cfg.max_tokens_cap)
+        predicted, worker = self._predict(loads, prompt_tokens, priority)
+        if level >= Level.L5:
+            self._check_breaker(loads, priority, level)
+        # Refused by prediction, lowest priority first: by TTFT low against its p50 target, normal against
+        # its p99; by TPOT low from L1, normal once its SLO stayed broken through L1-L3 (L4); high never.
+        chosen = next((w for w in loads if w.worker_id == worker), None)
+        if level >= REFUSE_FROM.get(priority, Level.L5 + 1):
+            self._check_ttft(loads, priority, level, prompt_tokens, predicted)
+            tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
+            if level >= tpot_from and chosen is not None and chosen.token_s > 0:
+                self._check_tpot(priority, level, self.tpot_model.factor * chosen.tpot_s(prompt_tokens, output_tokens))
+        plan = Plan(level, predicted_ttft_ms=1000 * predicted)
+        if shortened:
+            plan.max_tokens_cap = self.cfg.max_tokens_cap
+            plan.context_cap = self.cfg.max_context_tokens
+        self._unplaced[request_id] = Queued(priority, prompt_tokens, worker, time.monotonic())
+        if chosen is not None and chosen.token_s > 0:  # the models' own figures, to learn from
+            self._predicted[request_id] = (
+                predicted / self.ttft_model.factor,
+                chosen.tpot_s(prompt_tokens, output_tokens),
+            )
+        return plan
+
+    def _check_queue(self, loads: list[WorkerLoad], priority: Priority) -> None:
+        """The priority's bounded queue, at every level."""
         queued = sum(1 for w in loads for q in w.queued if q.priority == priority)
-        if queued >= self.cfg.max_queued(priority) * serving:
+        if queued >= self.cfg.max_queued(priority) * max(1, len(loads)):
             self._refuse(
                 priority,
                 429,
@@ -197,67 +227,52 @@ class Degradation:
                 "retry shortly.",
                 self.cfg.retry_after_s,
             )
-        shortened = level >= Level.L4 and priority != Priority.HIGH
-        if shortened:
-            prompt_tokens = min(prompt_tokens, self.cfg.max_context_tokens)  # what it will be
-            output_tokens = min(output_tokens, self.cfg.max_tokens_cap)
-        predicted, worker = self._predict(loads, prompt_tokens, priority)
-        if level >= Level.L5:
-            high = sum(1 for f in self.src.flights() if f.add.priority == Priority.HIGH)
-            high += sum(1 for q in self._unplaced.values() if q.priority == Priority.HIGH)
-            if priority != Priority.HIGH or high >= self.cfg.high_reserve * serving:
-                self._refuse(
-                    priority,
-                    503,
-                    f"The service is overloaded (degradation level {int(level)}: circuit breaker) and refuses new "
-                    f"{priority.label}-priority requests; requests in flight continue. Retry later.",
-                    self.cfg.retry_after_s,
-                )
-        # Refused by prediction, lowest priority first: low from L1, normal once its SLO stayed broken
-        # through L1-L3 (L4), high never.
-        if level >= REFUSE_FROM.get(priority, Level.L5 + 1):
-            target = self.slo.targets(priority).ttft_ms
-            bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000  # low gives way first
-            # A prompt that alone takes longer than the target is judged by what others add to it.
-            idle = [WorkerLoad(w.worker_id, w.base_s, w.token_s, w.kv_total, 0) for w in loads]
-            bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority)[0])
-            if predicted > bar:
-                self._refuse(
-                    priority,
-                    429,
-                    f"The service is overloaded (degradation level {int(level)}): a {priority.label}-priority "
-                    f"request would wait about {predicted * 1000:.0f} ms for its first token, over its "
-                    f"{bar * 1000:.0f} ms target. Retry later.",
-                    max(1, math.ceil(predicted - bar)),
-                )
-            # ...and one that would slow every stream of its worker past its TPOT target once it decodes
-            # beside all that is running and queued there.
-            chosen = next((w for w in loads if w.worker_id == worker), None)
-            tpot = self.slo.targets(priority).tpot_ms.p99 * (1.0 if priority == Priority.NORMAL else LOW_TPOT_SHARE)
-            step = 0.0
-            if chosen is not None and chosen.token_s > 0:
-                step = self.tpot_model.factor * chosen.tpot_s(prompt_tokens, output_tokens)
-            if step * 1000 > tpot:
-                self._refuse(
-                    priority,
-                    429,
-                    f"The service is overloaded (degradation level {int(level)}): with one more "
-                    f"{priority.label}-priority request each token would take about {step * 1000:.0f} ms, over the "
-                    f"{tpot:.0f} ms target. Retry later.",
-                    self.cfg.retry_after_s,
-                )
-        plan = Plan(level, predicted_ttft_ms=1000 * predicted)
-        if shortened:
-            plan.max_tokens_cap = self.cfg.max_tokens_cap
-            plan.context_cap = self.cfg.max_context_tokens
-        self._unplaced[request_id] = Queued(priority, prompt_tokens, worker, time.monotonic())
-        chosen = next((w for w in loads if w.worker_id == worker), None)
-        if chosen is not None and chosen.token_s > 0:  # the models' own figures, to learn from
-            self._predicted[request_id] = (
-                predicted / self.ttft_model.factor,
-                chosen.tpot_s(prompt_tokens, output_tokens),
+
+    def _check_breaker(self, loads: list[WorkerLoad], priority: Priority, level: Level) -> None:
+        """L5: only high priority gets in, within its reserve."""
+        high = sum(1 for f in self.src.flights() if f.add.priority == Priority.HIGH)
+        high += sum(1 for q in self._unplaced.values() if q.priority == Priority.HIGH)
+        if priority != Priority.HIGH or high >= self.cfg.high_reserve * max(1, len(loads)):
+            self._refuse(
+                priority,
+                503,
+                f"The service is overloaded (degradation level {int(level)}: circuit breaker) and refuses new "
+                f"{priority.label}-priority requests; requests in flight continue. Retry later.",
+                self.cfg.retry_after_s,
             )
-        return plan
+
+    def _check_ttft(
+        self, loads: list[WorkerLoad], priority: Priority, level: Level, prompt_tokens: int, predicted: float
+    ) -> None:
+        """A request whose predicted TTFT breaks its target (low: its p50, giving way first; normal: p99).
+        A prompt that alone takes longer than the target is judged by what others add to it."""
+        target = self.slo.targets(priority).ttft_ms
+        bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000
+        idle = [WorkerLoad(w.worker_id, w.base_s, w.token_s, w.kv_total, 0) for w in loads]
+        bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority)[0])
+        if predicted > bar:
+            self._refuse(
+                priority,
+                429,
+                f"The service is overloaded (degradation level {int(level)}): a {priority.label}-priority "
+                f"request would wait about {predicted * 1000:.0f} ms for its first token, over its "
+                f"{bar * 1000:.0f} ms target. Retry later.",
+                max(1, math.ceil(predicted - bar)),
+            )
+
+    def _check_tpot(self, priority: Priority, level: Level, predicted: float) -> None:
+        """A request that would slow every stream of its worker past the TPOT target once it decodes beside
+        all that runs and waits there (low: a share of its p99 target)."""
+        target = self.slo.targets(priority).tpot_ms.p99 * (1.0 if priority == Priority.NORMAL else LOW_TPOT_SHARE)
+        if predicted * 1000 > target:
+            self._refuse(
+                priority,
+                429,
+                f"The service is overloaded (degradation level {int(level)}): with one more "
+                f"{priority.label}-priority request each token would take about {predicted * 1000:.0f} ms, over "
+                f"the {target:.0f} ms target. Retry later.",
+                self.cfg.retry_after_s,
+            )
 
     def _refuse(self, priority: Priority, status: int, message: str, retry_after: int) -> None:
         if self.on_refuse is not None:
@@ -375,7 +390,7 @@ class Degradation:
             elif level >= Level.L5:
                 admission = f"within the reserve of {self.cfg.high_reserve} per worker"
             elif level >= REFUSE_FROM.get(p, Level.L5 + 1):
-                admission = "refused (429) when its predicted TTFT or TPOT breaks its target"
+                admission = "refused (429) when its predicted TTFT (or TPOT) breaks its bar for this level"
             else:
                 admission = "open"
             per_priority[p.label] = {

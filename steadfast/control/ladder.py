@@ -35,12 +35,12 @@ class Level(enum.IntEnum):
 
 ACTIONS = {
     Level.L0: "full service",
-    Level.L1: "admission control: new low-priority requests whose predicted TTFT or TPOT breaks their target "
-    "are refused (429)",
+    Level.L1: "admission control: new requests whose predicted TTFT breaks their target are refused (429), low "
+    "priority first",
     Level.L2: "speculative decoding off",
     Level.L3: "KV of low-priority requests swapped out to the offload tier",
-    Level.L4: "new normal and low requests get a capped max_tokens and a truncated context; normal ones are refused "
-    "by prediction too",
+    Level.L4: "new normal and low requests get a capped max_tokens and a truncated context; normal ones are held "
+    "to their TPOT target too",
     Level.L5: "circuit breaker: new normal and low requests refused (503); high only within its reserve",
 }
 

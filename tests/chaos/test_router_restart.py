@@ -33,6 +33,7 @@ cache: {kv_memory_mb: 256}
 server: {standby_workers: 0}
 fault_recovery:
   kv_cache: {snapshot_interval_steps: 8}
+degradation: {enabled: false}  # its streams must all start (the ladder may refuse new ones on a loaded machine)
 """
 
 

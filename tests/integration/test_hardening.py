@@ -38,9 +38,12 @@ LIMITS = {"max_body_bytes": 65536, "max_messages": 16, "max_prompt_chars": 20000
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, small_model_path):
     limits = ", ".join(f"{k}: {v}" for k, v in LIMITS.items())
+    # No degradation ladder: these tests drive the server past the default SLOs on two cores (24 streams at
+    # once, a fuzz beside eight streams), where the ladder rightly refuses new requests (429), which is not
+    # what they test; tests/integration/test_degradation.py does.
     cfg = (
         "model: {dtype: float32, max_model_len: 512}\ncache: {kv_memory_mb: 64}\n"
-        f"server: {{api_key: {KEY}, standby_workers: 0, {limits}}}\n"
+        f"server: {{api_key: {KEY}, standby_workers: 0, {limits}}}\ndegradation: {{enabled: false}}\n"
     )
     with serving(tmp_path_factory.mktemp("hardening"), cfg, small_model_path) as s:
         yield s
