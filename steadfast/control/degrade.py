@@ -199,8 +199,10 @@ class Degradation:
         # Refused by prediction, lowest priority first: by TTFT low against its p50 target, normal against
         # its p99; by TPOT low from L1, normal once its SLO stayed broken through L1-L3 (L4); high never.
         chosen = next((w for w in loads if w.worker_id == worker), None)
-        if level >= REFUSE_FROM.get(priority, Level.L5 + 1):
+        # Only predictions already checked against measurements refuse anybody.
+        if level >= REFUSE_FROM.get(priority, Level.L5 + 1) and self.ttft_model.trusted:
             self._check_ttft(loads, priority, level, prompt_tokens, predicted)
+        if level >= REFUSE_FROM.get(priority, Level.L5 + 1) and self.tpot_model.trusted:
             tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
             if level >= tpot_from and chosen is not None and chosen.token_s > 0:
                 self._check_tpot(priority, level, self.tpot_model.factor * chosen.tpot_s(prompt_tokens, output_tokens))

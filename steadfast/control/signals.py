@@ -106,11 +106,18 @@ class WorkerLoad:
 
 class Calibration:
     """How far measurements are from a model's predictions: a running mean of log(measured / predicted),
-    each observation weighing `rate`, the factor held within [`low`, `high`]."""
+    each observation weighing `rate`, the factor held within [`low`, `high`]. `trusted` once `min_samples`
+    predictions were checked: before, a fresh server's first requests are judged on a step-cost line from
+    its warm-up alone (measured on one thread by the zygote), which can be far off."""
 
-    def __init__(self, rate: float = 0.05, low: float = 0.5, high: float = 4.0) -> None:
-        self.rate, self.low, self.high = rate, low, high
+    def __init__(self, rate: float = 0.05, low: float = 0.5, high: float = 4.0, min_samples: int = 8) -> None:
+        self.rate, self.low, self.high, self.min_samples = rate, low, high, min_samples
         self._log = 0.0
+        self.samples = 0
+
+    @property
+    def trusted(self) -> bool:
+        return self.samples >= self.min_samples
 
     @property
     def factor(self) -> float:
@@ -120,6 +127,7 @@ class Calibration:
         """`predicted`: the model's own figure (not multiplied by the factor)."""
         if predicted > 0:
             self._log += self.rate * (math.log(max(measured, 1e-4) / predicted) - self._log)
+            self.samples += 1
 
 
 def predict_ttft(

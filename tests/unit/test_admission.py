@@ -14,7 +14,7 @@ from steadfast.control.degrade import Degradation, Sources
 from steadfast.control.delivery import Flight, Watermark
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Level
-from steadfast.control.signals import Queued, Running, Window, WorkerLoad, predict_ttft
+from steadfast.control.signals import Calibration, Queued, Running, Window, WorkerLoad, predict_ttft
 from steadfast.control.truncate import cut_chat, cut_prompt
 from steadfast.control.workers import WorkerRegistry
 from steadfast.protocol import AddRequest, Degrade, Priority, SamplingParams, WorkerRole, WorkerState, WorkerStatus
@@ -45,6 +45,9 @@ class Service:
             16,
             Sources(self.registry, lambda: self.flights, self._send),
         )
+        # Predictions trusted from the first request (a server trusts them once 8 were checked).
+        self.d.ttft_model = Calibration(min_samples=0)
+        self.d.tpot_model = Calibration(min_samples=0)
 
     async def _send(self, orders: Degrade) -> None:
         self.sent.append(orders)
@@ -220,3 +223,14 @@ def test_an_idle_service_shows_no_load_whatever_the_calibration_learnt():
     assert s.d.snapshot().load > 0
     (row,) = s.d.view()["workers"]
     assert row["worker"] == 0 and row["running"] == 1 and row["predicted_tpot_ms"] > 0
+
+
+def test_no_refusal_by_prediction_before_predictions_were_checked():
+    s = Service()
+    s.d.ttft_model = Calibration()  # a fresh server's: nothing measured yet
+    s.flights = [flight(f"n{i}", Priority.NORMAL, 500, 0) for i in range(4)]
+    s.admit(Priority.LOW)  # predicted far over its target, but on an unchecked line
+    for _ in range(8):
+        s.d.ttft_model.learn(1.0, 1.0)
+    with pytest.raises(APIError):
+        s.admit(Priority.LOW)
