@@ -28,13 +28,16 @@ from steadfast.protocol import Degrade, Priority, WorkerRole
 log = logging.getLogger("steadfast.degradation")
 
 PROTECTED = (Priority.HIGH, Priority.NORMAL)  # whose observed latencies say whether the SLO holds
-# Refusal by predicted TTFT from these levels (by predicted TPOT: low from L1, normal from L4).
-REFUSE_FROM = {Priority.LOW: Level.L1, Priority.NORMAL: Level.L1}
 LOW_TPOT_SHARE = 0.75  # low priority is refused when a token would take this share of its TPOT p99 target
 TYPICAL_PROMPT = 64  # tokens of the new request the level's signals are predicted for (load, TTFT)
 TYPICAL_OUTPUT = 128  # tokens of the "typical new request" the level's prediction is made for, until some are seen
 UNPLACED_TTL_S = 30.0  # an admitted request whose stream never started is forgotten after this
 RESEND_EVERY = 10  # ticks between re-sends of the orders to every worker (one that joined or was promoted)
+
+
+def refused_by_prediction(priority: Priority, level: Level) -> bool:
+    """Whether a new request may be refused for its predicted TTFT (TPOT: low from L1, normal from L4)."""
+    return priority != Priority.HIGH and level >= Level.L1
 
 
 @dataclass
@@ -198,24 +201,21 @@ class Degradation:
             self._check_breaker(loads, priority, level)
         # Refused by prediction, lowest priority first: by TTFT low against its p50 target, normal against
         # its p99; by TPOT low from L1, normal once its SLO stayed broken through L1-L3 (L4); high never.
-        chosen = next((w for w in loads if w.worker_id == worker), None)
         # Only predictions already checked against measurements refuse anybody.
-        if level >= REFUSE_FROM.get(priority, Level.L5 + 1) and self.ttft_model.trusted:
+        chosen = next((w for w in loads if w.worker_id == worker and w.token_s > 0), None)
+        own_tpot = chosen.tpot_s(prompt_tokens, output_tokens) if chosen is not None else 0.0
+        if refused_by_prediction(priority, level) and self.ttft_model.trusted:
             self._check_ttft(loads, priority, level, prompt_tokens, predicted)
-        if level >= REFUSE_FROM.get(priority, Level.L5 + 1) and self.tpot_model.trusted:
-            tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
-            if level >= tpot_from and chosen is not None and chosen.token_s > 0:
-                self._check_tpot(priority, level, self.tpot_model.factor * chosen.tpot_s(prompt_tokens, output_tokens))
+        tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
+        if refused_by_prediction(priority, level) and level >= tpot_from and self.tpot_model.trusted:
+            self._check_tpot(priority, level, self.tpot_model.factor * own_tpot)
         plan = Plan(level, predicted_ttft_ms=1000 * predicted)
         if shortened:
             plan.max_tokens_cap = self.cfg.max_tokens_cap
             plan.context_cap = self.cfg.max_context_tokens
         self._unplaced[request_id] = Queued(priority, prompt_tokens, worker, time.monotonic())
-        if chosen is not None and chosen.token_s > 0:  # the models' own figures, to learn from
-            self._predicted[request_id] = (
-                predicted / self.ttft_model.factor,
-                chosen.tpot_s(prompt_tokens, output_tokens),
-            )
+        if chosen is not None:  # the models' own figures, to learn from
+            self._predicted[request_id] = (predicted / self.ttft_model.factor, own_tpot)
         return plan
 
     def _check_queue(self, loads: list[WorkerLoad], priority: Priority) -> None:
@@ -391,7 +391,7 @@ class Degradation:
                 admission = "refused (503)"
             elif level >= Level.L5:
                 admission = f"within the reserve of {self.cfg.high_reserve} per worker"
-            elif level >= REFUSE_FROM.get(p, Level.L5 + 1):
+            elif refused_by_prediction(p, level):
                 admission = "refused (429) when its predicted TTFT (or TPOT) breaks its bar for this level"
             else:
                 admission = "open"
