@@ -20,6 +20,7 @@ import yaml
 
 from steadfast import env
 from steadfast.config_base import ConfigError, parse_duration
+from steadfast.config_health import HealthConfig, RoutingConfig, RoutingPolicy
 from steadfast.config_ladder import DegradationConfig, SloConfig
 from steadfast.config_moves import MigrationConfig, SpeculativeConfig, TransferConfig
 from steadfast.config_recovery import (
@@ -31,16 +32,20 @@ from steadfast.config_recovery import (
     TakeoverConfig,
 )
 
-# Sections live in modules of their own (config_recovery, config_moves, config_ladder); they are all named here too.
+# Sections live in modules of their own (config_recovery, config_moves, config_ladder, config_health);
+# they are all named here too.
 __all__ = [
     "RECOVERY_MODES",
     "Config",
     "ConfigError",
     "DegradationConfig",
     "FaultRecoveryConfig",
+    "HealthConfig",
     "LeaseConfig",
     "LedgerConfig",
     "RequestRecoveryConfig",
+    "RoutingConfig",
+    "RoutingPolicy",
     "SloConfig",
     "TakeoverConfig",
     "MigrationConfig",
@@ -341,6 +346,8 @@ class Config:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         if self.server.prefill_workers and not self.fault_recovery.kv_cache.external_ledger:

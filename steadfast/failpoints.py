@@ -25,3 +25,18 @@ def stall(name: str) -> None:
     if folder:
         Path(folder, f"{name}.{os.getpid()}").write_text(str(time.time()))
     time.sleep(seconds)
+
+
+def broken(name: str) -> bool:
+    """When a test armed `name` (`name=0@hit`): True from its chosen hit on, every time — a part that
+    stays broken (a worker whose logits turned non-finite). The first time leaves the marker."""
+    armed = failpoint(name)
+    if armed is None:
+        return False
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] < armed[1]:
+        return False
+    folder = failpoint_dir()
+    if _hits[name] == armed[1] and folder:
+        Path(folder, f"{name}.{os.getpid()}").write_text(str(time.time()))
+    return True

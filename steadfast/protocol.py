@@ -176,6 +176,13 @@ class Degrade(msgspec.Struct, tag="degrade", array_like=True, omit_defaults=True
     step_target_ms: float = 0.0
 
 
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """The router's second probe of a worker whose reports stopped: answered with a status report
+    carrying `nonce` as soon as the worker's loop runs."""
+
+    nonce: int
+
+
 class Promote(msgspec.Struct, tag="promote", array_like=True):
     """A standby now takes traffic: it reports the new role, so a restarted router knows it too."""
 
@@ -197,6 +204,9 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     recomputed_tokens: int = 0  # tokens whose KV had to be computed again
     handoff: Handoff | None = None  # from a prefill worker, with the first token: where the KV went
     resumed_at: float = 0.0  # a migrated request's first output: CLOCK_MONOTONIC of the step it ran in
+    # An error of this worker's computing, not of the request (an engine error, non-finite logits): the
+    # router retries the request once on another worker instead of failing it.
+    retryable: bool = False
 
 
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):
@@ -247,6 +257,24 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     # to the offload tier for them (L3) since it started.
     degradation_level: int = 0
     ladder_swaps: int = 0
+    # Health (control/health.py): resident memory; KV moves' messages sent and sent again, and sessions
+    # that timed out, since the worker started; the last `Ping` nonce answered.
+    rss_mb: float = 0.0
+    kv_messages_sent: int = 0
+    kv_resends: int = 0
+    kv_move_timeouts: int = 0
+    probe: int = 0
+
+
+class CacheEvents(msgspec.Struct, tag="cache", array_like=True, omit_defaults=True):
+    """Chained block names that entered (`stored`) or left (`removed`) a worker's prefix cache since
+    its last CacheEvents; `reset`: `stored` is the whole set (the router drops what it knew first).
+    What the router's KV-aware routing indexes."""
+
+    worker_id: int
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    reset: bool = False
 
 
 class WorkerDied(msgspec.Struct, tag="died", array_like=True):
@@ -281,8 +309,8 @@ def decode_to_supervisor(data: bytes) -> StartWorker:
     return _to_supervisor.decode(data)
 
 
-ToWorker = AddRequest | AbortRequest | Promote | Migrate | Retire | Degrade
-FromWorker = StepOutputs | WorkerStatus | WorkerDied | WorkerJoined
+ToWorker = AddRequest | AbortRequest | Promote | Migrate | Retire | Degrade | Ping
+FromWorker = StepOutputs | WorkerStatus | WorkerDied | WorkerJoined | CacheEvents
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
@@ -297,7 +325,7 @@ def decode_to_worker(data: bytes) -> ToWorker:
     return _to_worker.decode(data)
 
 
-def decode_from_worker(data: bytes) -> StepOutputs | WorkerStatus | WorkerDied | WorkerJoined:
+def decode_from_worker(data: bytes) -> FromWorker:
     return _from_worker.decode(data)
 
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from steadfast.control.admin_health import add_health_routes
 from steadfast.control.admin_ladder import add_degradation_routes
 from steadfast.control.admin_moves import add_migration_routes
 from steadfast.control.engine_client import EngineDeadError
@@ -29,6 +30,7 @@ from steadfast.control.errors import (
     validation_error_handler,
 )
 from steadfast.control.guard import Guard, GuardConfig
+from steadfast.control.health import Standing
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.serving import ServingContext, admit, check_model
 from steadfast.control.streams import respond, stream_chat, stream_completion
@@ -58,6 +60,9 @@ ANSWERS: dict[int | str, dict[str, Any]] = {
 class WorkerHealth(BaseModel):
     id: int
     ready: bool
+    # The health check's judgement (control/health.py): healthy, degraded (score over its threshold:
+    # work migrates away), sick (its requests fail or stall: out of rotation), probation.
+    standing: str = "healthy"
 
 
 class Health(BaseModel):
@@ -116,7 +121,12 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
         responses={503: {"description": "not every part of the server is ready", "model": Health}},
     )
     async def health() -> JSONResponse:
-        workers = [{"id": w.worker_id, "ready": w.ready} for w in ctx.client.workers]
+        health = ctx.client.health
+        workers = [
+            {"id": w.worker_id, "ready": w.ready, "standing": health.of(w.worker_id).standing.value}
+            for w in ctx.client.workers
+            if not w.dead
+        ]
         ok = ctx.client.ready
         return JSONResponse(
             {"status": "ok" if ok else "unavailable", "workers": workers}, status_code=200 if ok else 503
@@ -134,6 +144,10 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
         for w in ctx.client.workers:
             label = str(w.worker_id)
             m.worker_up.labels(label).set(1 if w.ready else 0)
+            h = ctx.client.health.of(w.worker_id)
+            m.health_score.labels(label).set(h.score.value)
+            for standing in Standing:
+                m.health_standing.labels(label, standing.value).set(1 if h.standing is standing else 0)
             if w.status is not None:
                 m.running.labels(label).set(w.status.num_running)
                 m.waiting.labels(label).set(w.status.num_waiting)
@@ -156,6 +170,8 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                 for reason, n in s.kv_wire_refused.items():
                     m.wire_refused.labels(label, reason).set(n)
         m.migration_mismatches.set(ctx.client.migrations.mismatches)
+        m.health_retries.set(ctx.client.health.retried)
+        m.routing_hit_rate.set(ctx.client.router.hit_rate)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/workers")
@@ -196,12 +212,17 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
                     "recomputed_tokens": s.recomputed_tokens if s else 0,
                     "kv_wire_dropped": s.kv_wire_dropped if s else {},
                     "kv_wire_refused": s.kv_wire_refused if s else {},
+                    "rss_mb": s.rss_mb if s else 0.0,
+                    "liveness": w.liveness.value,  # alive, suspect (probed), silent, dead
+                    "health": ctx.client.health.view(w.worker_id),  # standing, score and terms, layers
+                    "indexed_blocks": ctx.client.router.index.size(w.worker_id),  # its cache as routing knows it
                 }
             )
         return rows
 
     add_migration_routes(app, ctx)
     add_degradation_routes(app, ctx)
+    add_health_routes(app, ctx)
 
     @app.get("/admin/takeovers")
     async def admin_takeovers() -> list[dict[str, Any]]:

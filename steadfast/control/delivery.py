@@ -75,3 +75,7 @@ class Flight:
     mark: Watermark
     # When it last moved forward (admitted, an output accepted, moved): `request_timeout` counts from it.
     progress: float = field(default_factory=time.monotonic)
+    # Its last token: when, and from which worker (the health check's token gaps are per worker).
+    last_token: float = 0.0
+    last_worker: int = -1
+    retried: bool = False  # it failed or stalled on a worker once and was retried elsewhere

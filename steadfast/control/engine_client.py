@@ -21,8 +21,9 @@ import zmq
 import zmq.asyncio
 
 from steadfast import protocol
-from steadfast.config import MigrationConfig, TakeoverConfig
+from steadfast.config import HealthConfig, MigrationConfig, RoutingConfig, SchedulerConfig, TakeoverConfig
 from steadfast.control.delivery import Flight, Verdict, Watermark
+from steadfast.control.health import HealthMonitor
 from steadfast.control.maintenance import Maintenance
 from steadfast.control.migration import (
     MIGRATION_ROLES,
@@ -35,20 +36,23 @@ from steadfast.control.migration import (
 from steadfast.control.placement import DECODE_ROLES, SERVE_ROLES, Placement
 from steadfast.control.recovery import Recovery, Takeover
 from steadfast.control.resume import Resumption
+from steadfast.control.routing import Router
 from steadfast.control.workers import Liveness, WorkerHandle, WorkerRegistry
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
+    CacheEvents,
     Fallback,
     FinishReason,
     Handoff,
     Migrate,
+    Ping,
+    Priority,
     Promote,
     RequestOutput,
     Resume,
     StepOutputs,
     WorkerDied,
-    WorkerJoined,
     WorkerRole,
     WorkerState,
     WorkerStatus,
@@ -75,6 +79,9 @@ class EngineClient:
         migration: MigrationConfig | None = None,
         block_size: int = 16,
         supervisor: str = "",
+        health: HealthConfig | None = None,
+        routing: RoutingConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         """`workers`: (id, input address, role) of each worker. `ledger_urls`: each node's ledger,
         where a restarted router finds requests it never saw (to resume them for reconnecting clients)."""
@@ -89,7 +96,11 @@ class EngineClient:
         self._socks: dict[int, zmq.asyncio.Socket] = {}
         for worker_id, address, role in workers:
             self._add_worker(worker_id, address, role)
-        self.placement = Placement(self.registry, takeover, max_in_flight)
+        self.health = HealthMonitor(health or HealthConfig())
+        self.router = Router(routing or RoutingConfig(), scheduler or SchedulerConfig(), block_size)
+        self.placement = Placement(self.registry, takeover, max_in_flight, self.router, self.health)
+        self._health_moved: dict[str, float] = {}  # request id → when it was last moved for health
+        self._probes = 0
         self.recovery = Recovery(takeover, self.placement, self._choose, self._send)
         self.resumption_records = Resumption(idempotency_window_s, ledger_urls)
         self._flights: dict[str, Flight] = {}
@@ -182,10 +193,19 @@ class EngineClient:
 
     # --- placement -----------------------------------------------------------------------------
     async def _choose(
-        self, exclude: int = -1, roles: tuple[WorkerRole, ...] = SERVE_ROLES, node: str = ""
+        self,
+        exclude: int = -1,
+        roles: tuple[WorkerRole, ...] = SERVE_ROLES,
+        node: str = "",
+        request: AddRequest | None = None,
     ) -> WorkerHandle | None:
-        """Placement's choice; a standby chosen is promoted to `roles[0]` first."""
-        worker = self.placement.pick(exclude, roles, node)
+        """Placement's choice (routed by `request`'s prompt when given); a standby chosen is promoted
+        to `roles[0]` first."""
+        if request is None:
+            worker = self.placement.pick(exclude, roles, node)
+        else:
+            prompt, priority = request.prompt_ids, Priority(request.priority)
+            worker = self.placement.pick(exclude, roles, node, prompt, priority, request.request_id)
         if worker is not None and worker.role == WorkerRole.STANDBY:
             await self._promote(worker, roles[0])
         return worker
@@ -196,14 +216,14 @@ class EngineClient:
         # The worker reports its new role from now on, so a restarted router learns it too.
         await self._send(w, Promote(role))
 
-    async def _choose_with_room(self) -> WorkerHandle | None:
+    async def _choose_with_room(self, request: AddRequest) -> WorkerHandle | None:
         """A worker for a new request, waiting a bounded time while none has room (ramping or at its
         reserve); then the least loaded takes it anyway: an accepted request is never turned away."""
         deadline = time.monotonic() + self.placement.room_wait_s
-        worker = await self._choose()
+        worker = await self._choose(request=request)
         while worker is not None and not self.placement.has_room(worker) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-            worker = await self._choose()
+            worker = await self._choose(request=request)
         return worker
 
     # --- requests ------------------------------------------------------------------------------
@@ -214,7 +234,9 @@ class EngineClient:
         client already holds) are swallowed.
         """
         worker = None
-        pair = self.placement.disaggregated() if request.resume is None else None
+        pair = None
+        if request.resume is None:
+            pair = self.placement.disaggregated(request.prompt_ids, Priority(request.priority), request.request_id)
         if pair is not None:  # prefill here, then decode on the worker chosen now
             worker, decode = pair
             p, d = worker.status, decode.status
@@ -222,7 +244,7 @@ class EngineClient:
             paths = list(d.kv_addresses) if p is not None and d is not None and p.node != d.node else []
             request = msgspec.structs.replace(request, decode_worker=decode.worker_id, kv_paths=paths)
         if worker is None:
-            worker = await self._choose_with_room()
+            worker = await self._choose_with_room(request)
         if worker is None:
             raise EngineDeadError("no worker is ready")
         rid = request.request_id
@@ -289,9 +311,12 @@ class EngineClient:
             except Exception:  # one bad message must not stop the router hearing its workers
                 log.exception("failed to handle a message from a worker or the supervisor")
 
-    async def _handle(self, msg: StepOutputs | WorkerStatus | WorkerDied | WorkerJoined) -> None:
+    async def _handle(self, msg: protocol.FromWorker) -> None:
         if isinstance(msg, StepOutputs):
             await self._deliver(msg)
+        elif isinstance(msg, CacheEvents):
+            if self.registry.get(msg.worker_id) is not None:
+                self.router.index.apply(msg)
         elif isinstance(msg, WorkerStatus):
             w = self.registry.observe(msg)  # (ignored from a worker already declared dead, or not announced)
             if w is not None and msg.state == WorkerState.STOPPING and not self.maintenance.draining(w.worker_id):
@@ -333,7 +358,16 @@ class EngineClient:
                 )
             if not verdict.accepted:
                 continue
-            flight.progress = time.monotonic()
+            failed = out.retryable and out.finish_reason is FinishReason.ERROR
+            if failed and await self._retry(flight, msg.worker_id, out):
+                continue
+            now = time.monotonic()
+            if out.token_ids:
+                if flight.last_worker == msg.worker_id:
+                    self.health.token_gap(msg.worker_id, now - flight.last_token)
+                flight.last_token, flight.last_worker = now, msg.worker_id
+                self.health.answered(msg.worker_id, out.request_id, now, time.time())
+            flight.progress = now
             self.recovery.answered(out)
             if out.token_ids and self.migrations.active(out.request_id) is not None:  # its first token there
                 self._ended(self.migrations.resumed(out.request_id, out.resumed_at, flight.progress))
@@ -487,43 +521,127 @@ class EngineClient:
         self._tasks.append(asyncio.ensure_future(coro))  # type: ignore[arg-type]
 
     async def _watch(self) -> None:
-        """Take a worker that stops reporting out of rotation for new requests until it reports again.
+        """Take a worker that stops reporting out of rotation for new requests until it reports again:
+        past the silence limit it is SUSPECT and probed once more (`Ping`), SILENT when that goes
+        unanswered too (the second probe: one late report does not make a worker silent).
 
         Its requests stay where they are: a silent worker may only be slow. Requests move when its
         death is certain: the supervisor reaps it (a hung worker's lease expires, the pool fences it,
-        the supervisor kills the fenced process) and says so with WorkerDied.
+        the supervisor kills the fenced process) and says so with WorkerDied. Each round also runs the
+        health check (`_health_round`) and moves stalled requests.
         """
         limit = max(5 * self.status_interval_s, 3.0)
+        probe = max(2 * self.status_interval_s, 1.0)
+        next_health = 0.0
         while True:
-            await asyncio.sleep(self.status_interval_s)
+            await asyncio.sleep(min(self.status_interval_s, self.health.cfg.interval_s))
             if self._behind():
                 continue  # reports are waiting unread: the silence is the router's, not the workers'
-            for w in self.registry.sweep_silent(limit):
-                log.error("worker %d silent for %.1fs: no new requests until it reports", w.worker_id, limit)
-            await self._move_stalled(time.monotonic())
+            suspect, silent = self.registry.sweep_silent(limit, probe)
+            for w in suspect:
+                self._probes += 1
+                log.warning("worker %d quiet for %.1fs: probing it", w.worker_id, limit)
+                await self._send(w, Ping(self._probes))
+            for w in silent:
+                log.error("worker %d silent, probe unanswered: no new requests until it reports", w.worker_id)
+            now = time.monotonic()
+            if now >= next_health:
+                next_health = now + self.health.cfg.interval_s
+                await self._health_round(now)
+            await self._move_stalled(now)
+
+    async def _health_round(self, now: float) -> None:
+        """Sample every worker, score it, and act: a degraded worker's lowest-priority, least recently
+        active requests migrate to the least loaded healthy worker with room (never back within the
+        request cooldown, never to a worker as loaded); a sick worker's requests are retried elsewhere."""
+        open_gaps: dict[int, float] = {}
+        for f in self._flights.values():
+            if f.last_token and not f.mark.moving and f.last_worker == f.mark.owner:
+                open_gaps[f.mark.owner] = max(open_gaps.get(f.mark.owner, 0.0), now - f.last_token)
+        self.health.tick(self.registry, open_gaps, now, time.time())
+        cooldown = self.health.cfg.request_cooldown_s
+        self._health_moved = {r: t for r, t in self._health_moved.items() if now - t < cooldown}
+        for w in self.registry:
+            if w.dead or w.role == WorkerRole.STANDBY:
+                continue
+            if self.health.excluded(w.worker_id):  # sick: everything on it moves, started or not
+                for flight in self._owned(w.worker_id):
+                    if not await self._retry(flight, w.worker_id, None):
+                        await self._move_off(flight, f"its worker {w.worker_id} is sick and no other could take it")
+                continue
+            owned = [f for f in self._owned(w.worker_id) if f.mark.delivered]  # decoding: what can migrate
+            count = self.health.evictions(w.worker_id, len(owned), now)
+            if not count:
+                continue
+            moved = []
+            for flight in Migrations.victims(owned):
+                rid = flight.add.request_id
+                if len(moved) >= count or not self.migrations.slots:
+                    break
+                if rid in self._health_moved or self.migrations.active(rid) is not None:
+                    continue
+                target = self.migrations.target(flight, w)
+                if target is None or self.health.avoid(target.worker_id) or target.load + 1 >= w.load:
+                    break  # nowhere better to go: moving would only shift the trouble
+                with contextlib.suppress(MigrationError):
+                    await self.migrate(rid, target.worker_id, MigrationReason.HEALTH)
+                    self._health_moved[rid] = now
+                    moved.append(f"{rid} -> {target.worker_id}")
+            if moved:
+                self.health.evicting(w.worker_id, len(moved), now, time.time(), ", ".join(moved))
+                log.warning("worker %d health score over threshold: migrating %s", w.worker_id, ", ".join(moved))
+
+    async def _retry(self, flight: Flight, worker_id: int, out: RequestOutput | None) -> bool:
+        """A request failed (`out`, a retryable error) or must leave a sick worker (None) on `worker_id`:
+        counted against the worker and retried once on another, from what its client holds. False
+        when it was retried before (its error then goes to the client) or the health check is off."""
+        if not self.health.cfg.enabled or flight.retried or flight.mark.moving:
+            return False
+        rid = flight.add.request_id
+        now = time.monotonic()
+        if out is not None:
+            why = out.error or "error"
+            log.warning("request %s failed on worker %d (%s): retrying it elsewhere", rid, worker_id, why)
+            if self.health.failure(worker_id, rid, why, now, time.time()):
+                log.error("worker %d is sick: out of rotation, its requests move", worker_id)
+        flight.retried = True
+        self.health.retried += 1
+        await self._move_off(flight, f"it failed on worker {worker_id} and no other worker could take it")
+        return True
+
+    async def _move_off(self, flight: Flight, why: str) -> None:
+        """Take a request off its live owner (told to drop it) and resume it on another worker."""
+        mark, rid = flight.mark, flight.add.request_id
+        owner = self.registry.get(mark.owner)
+        flight.progress = time.monotonic()
+        mark.moving = True
+        roles, node = SERVE_ROLES, ""
+        if owner is not None:
+            owner.in_flight.discard(rid)
+            await self.abort(owner, rid)
+            roles = SERVE_ROLES if owner.role in (WorkerRole.MIXED, WorkerRole.PREFILL) else DECODE_ROLES
+            node = owner.node
+        self._spawn(self.recovery.move(flight, mark.owner, lambda: rid in self._flights, roles, node, why))
 
     async def _move_stalled(self, now: float) -> None:
-        """A request that received no token for `request_timeout` moves to another worker (its own is
-        told to drop it), or fails with an error saying so when none can take it within the wait."""
+        """A request that received no token for `request_timeout` (a decoding one: for the health
+        check's `stall_s`) moves to another worker (its own is told to drop it), or fails with an
+        error saying so when none can take it within the wait. A stall counts against its worker."""
+        stall = self.health.cfg.stall_s if self.health.cfg.enabled else self.request_timeout_s
         for flight in list(self._flights.values()):
             mark = flight.mark
-            if mark.moving or now - flight.progress < self.request_timeout_s:
+            owner = self.registry.get(mark.owner)
+            # A decoding request on a worker that reports (a silent one is the process layer's business).
+            stalled = bool(mark.delivered) and owner is not None and owner.liveness is Liveness.ALIVE
+            limit = min(stall, self.request_timeout_s) if stalled else self.request_timeout_s
+            if mark.moving or now - flight.progress < limit:
                 continue
             rid = flight.add.request_id
-            owner = self.registry.get(mark.owner)
-            log.error(
-                "request %s received no token for %.0fs on worker %d: moving it", rid, now - flight.progress, mark.owner
-            )
-            flight.progress = now
-            mark.moving = True
-            roles, node = SERVE_ROLES, ""
-            if owner is not None:
-                owner.in_flight.discard(rid)
-                await self.abort(owner, rid)
-                roles = SERVE_ROLES if owner.role in (WorkerRole.MIXED, WorkerRole.PREFILL) else DECODE_ROLES
-                node = owner.node
-            why = f"it received no token for {self.request_timeout_s:.0f}s and no other worker could take it"
-            self._spawn(self.recovery.move(flight, mark.owner, lambda rid=rid: rid in self._flights, roles, node, why))
+            quiet = now - flight.progress
+            log.error("request %s received no token for %.0fs on worker %d: moving it", rid, quiet, mark.owner)
+            if stalled and self.health.failure(mark.owner, rid, f"no token for {quiet:.0f}s", now, time.time()):
+                log.error("worker %d is sick: out of rotation, its requests move", mark.owner)
+            await self._move_off(flight, f"it received no token for {quiet:.0f}s and no other worker could take it")
 
     def _behind(self) -> bool:
         """Messages wait on the output socket: a starved router (niced, on a loaded machine) has not
@@ -536,6 +654,8 @@ class EngineClient:
     async def _lost(self, w: WorkerHandle) -> None:
         """Stop listening to a worker and move each of its requests, high priority first."""
         w.liveness = Liveness.DEAD
+        self.health.forget(w.worker_id)
+        self.router.index.forget(w.worker_id)
         for record in self.migrations.lost(w.worker_id, f"worker {w.worker_id} died"):
             self._ended(record)
         role, node = w.role, w.node

@@ -53,6 +53,9 @@ async def serve(
         cfg.migration,
         cfg.cache.block_size,
         supervisor,
+        health=cfg.health,
+        routing=cfg.routing,
+        scheduler=cfg.scheduler,
     )
     client.maintenance.startup_timeout_s = srv.startup_timeout_s
     await client.start()
@@ -75,6 +78,9 @@ async def serve(
         on_change=ctx.metrics.level_changed,
         on_refuse=ctx.metrics.refused,
     )
+    degradation = ctx.degradation
+    # KV-aware routing weighs a prompt's cached prefix against each worker's load as the ladder models it.
+    client.router.loads = lambda: {load.worker_id: load for load in degradation.loads()}
     ladder = asyncio.create_task(ctx.degradation.run())
     client.on_handoff = ctx.metrics.handoff
     client.on_migration = ctx.metrics.migration

@@ -105,6 +105,18 @@ class Metrics:
             registry=r,
         )
         self.worker_up = Gauge("steadfast_worker_up", "1 if the worker is ready", ["worker"], registry=r)
+        self.health_score = Gauge(
+            "steadfast_worker_health_score", "Delta-based health score, 0 healthy .. 1", ["worker"], registry=r
+        )
+        self.health_standing = Gauge(
+            "steadfast_worker_health_standing", "1 for the worker's standing", ["worker", "standing"], registry=r
+        )
+        self.health_retries = Gauge(
+            "steadfast_health_retried_requests", "Requests retried elsewhere after failing on a worker", registry=r
+        )
+        self.routing_hit_rate = Gauge(
+            "steadfast_routing_prefix_hit_rate", "Routed prompt tokens found cached on the chosen worker", registry=r
+        )
         self.kv_transfers = Counter(
             "steadfast_kv_transfers", "KV handoffs between workers", ["path", "outcome"], registry=r
         )

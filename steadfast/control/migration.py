@@ -27,6 +27,7 @@ MIGRATION_ROLES = (WorkerRole.DECODE, WorkerRole.MIXED)  # who may continue a de
 class MigrationReason(enum.StrEnum):
     OPERATOR = "operator"  # POST /admin/requests/{id}/migrate
     DRAIN = "drain"  # its worker is being drained (an operator, SIGTERM to the worker, a rollout)
+    HEALTH = "health"  # its worker's health score is over the threshold (control/health.py)
 
 
 class MigrationMode(enum.StrEnum):

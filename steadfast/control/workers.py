@@ -20,7 +20,8 @@ STATUS_HISTORY = 120  # reports kept per worker: two minutes at the default 1 s 
 
 class Liveness(enum.Enum):
     ALIVE = "alive"
-    SILENT = "silent"  # no report past the limit: no new requests until it reports again
+    SUSPECT = "suspect"  # no report past the limit: probed once more (Ping), no new requests meanwhile
+    SILENT = "silent"  # the probe went unanswered too: no new requests until it reports again
     DEAD = "dead"  # reaped and fenced by the supervisor: its requests move
 
 
@@ -115,19 +116,29 @@ class WorkerRegistry:
         if w is not None:
             w.last_seen = time.monotonic() if now is None else now
 
-    def sweep_silent(self, limit_s: float, now: float | None = None) -> list[WorkerHandle]:
-        """Mark workers silent past `limit_s` (and those reporting again alive); return the newly silent."""
+    def sweep_silent(
+        self, limit_s: float, probe_s: float, now: float | None = None
+    ) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """Workers quiet past `limit_s` become SUSPECT (the caller probes them), past `limit_s + probe_s`
+        SILENT; one reporting again is ALIVE. Returns (newly suspect, newly silent)."""
         now = time.monotonic() if now is None else now
-        newly = []
+        suspect, silent = [], []
         for w in self._workers.values():
             s = w.status
             if s is None or w.dead or s.state == WorkerState.LOADING:
                 continue
-            silent = now - w.last_seen > limit_s
-            if silent and w.liveness is Liveness.ALIVE:
-                newly.append(w)
-            w.liveness = Liveness.SILENT if silent else Liveness.ALIVE
-        return newly
+            quiet = now - w.last_seen
+            state = Liveness.ALIVE
+            if quiet > limit_s + probe_s:
+                state = Liveness.SILENT
+            elif quiet > limit_s:
+                state = Liveness.SUSPECT
+            if state is Liveness.SUSPECT and w.liveness is Liveness.ALIVE:
+                suspect.append(w)
+            if state is Liveness.SILENT and w.liveness is not Liveness.SILENT:
+                silent.append(w)
+            w.liveness = state
+        return suspect, silent
 
     @staticmethod
     def promote(w: WorkerHandle, role: WorkerRole, now: float | None = None) -> None:

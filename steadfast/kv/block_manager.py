@@ -29,6 +29,16 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
+def chain(token_ids: Sequence[int], block_size: int, count: int) -> list[bytes]:
+    """The chained names of the first `count` full blocks of `token_ids` (what the router's KV-aware
+    routing looks up in the workers' cache events)."""
+    names, parent = [], ROOT_HASH
+    for i in range(count):
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        names.append(parent)
+    return names
+
+
 class BlockSource(Protocol):
     """Where blocks come from when the arena is shared: the kvpool grants them in batches."""
 
@@ -156,11 +166,7 @@ class BlockManager(TierCopies):
 
     def chain(self, token_ids: Sequence[int], count: int) -> list[bytes]:
         """The chained names of the first `count` full blocks of `token_ids`."""
-        names, parent = [], ROOT_HASH
-        for i in range(count):
-            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
-            names.append(parent)
-        return names
+        return chain(token_ids, self.block_size, count)
 
     def chain_from(self, token_ids: Sequence[int], start: int, stop: int, parent: bytes | None) -> Iterator[bytes]:
         """The chained names of full blocks `start` .. `stop - 1`, lazily; `parent`: block `start - 1`'s."""
@@ -171,6 +177,10 @@ class BlockManager(TierCopies):
 
     def is_cached(self, name: bytes) -> bool:
         return name in self._cached
+
+    def cached_names(self) -> Collection[bytes]:
+        """The chained names of every block findable by a prefix lookup now (held or free)."""
+        return self._cached.keys()
 
     # --- changes -------------------------------------------------------------------------------
     def adopt(self, token_ids: Sequence[int], adopted: Sequence[tuple[int, int]]) -> None:

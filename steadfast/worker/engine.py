@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from steadfast.config import Config
+from steadfast.failpoints import broken
 from steadfast.kv.arena import TORCH_DTYPES, KVArena
 from steadfast.kv.arena_file import ArenaSpaceError
 from steadfast.kv.block_manager import BlockManager, BlockSource
@@ -42,6 +43,14 @@ from steadfast.worker.step_cost import StepCost
 from steadfast.worker.takeover import recover
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """Rows of a step's logits were NaN or infinite: whose requests."""
+
+    def __init__(self, request_ids: set[str]) -> None:
+        super().__init__(f"non-finite logits for {len(request_ids)} request(s)")
+        self.request_ids = request_ids
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,7 @@ class Engine:
         self.sync = sync
         self.spec = Speculator(cfg.speculative)
         self.orders = Degrade()  # the degradation ladder's, L0 until the router says otherwise
+        self.nonfinite_failpoint = ""  # a fault test's: this worker's logits turn non-finite (failpoints.broken)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self._drafts)
         self.scheduler.cost = copy.copy(loaded.step_cost) if loaded.step_cost is not None else StepCost()
         self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
@@ -346,6 +356,14 @@ class Engine:
     def _compute(self, scheduled: ScheduledStep, hook: Callable[[int], None] | None) -> tuple[list[Request], list[int]]:
         """The forward pass and the sampling of one step: nothing but the step's KV slots changes."""
         logits, samplers = self.runner.execute(scheduled, hook)
+        if self.nonfinite_failpoint and broken(self.nonfinite_failpoint):
+            logits = torch.full_like(logits, float("nan"))
+        # A row of NaN or inf (corrupt weights or KV, a numerics fault) would sample garbage: its request
+        # fails here instead, and the router retries it elsewhere (the health check's request layer).
+        finite = torch.isfinite(logits).all(dim=1)
+        if not bool(finite.all()):
+            bad = {samplers[i].request_id for i in (~finite).nonzero().flatten().tolist()}
+            raise NonFiniteLogitsError(bad)
         # A verifying request's rows draw tokens len(output), len(output) + 1, ...: each with its own seed.
         indices, seen = [], {}
         for r in samplers:
@@ -379,19 +397,24 @@ class Engine:
         failure no single request reproduces, or that every one of several does, is the engine's own: it is
         raised."""
         culprits: dict[str, str] = {}
-        for r in scheduled.decodes:
-            culprits.update(self._probe(ScheduledStep(decodes=[r]), r))
-        for r, n in scheduled.prefills:
-            culprits.update(self._probe(ScheduledStep(prefills=[(r, n)]), r))
-        for r, d in scheduled.verifies:
-            culprits.update(self._probe(ScheduledStep(verifies=[(r, d)]), r))
+        if isinstance(failure, NonFiniteLogitsError):  # the rows say whose: no probing
+            culprits = dict.fromkeys(failure.request_ids, str(failure))
+        else:
+            for r in scheduled.decodes:
+                culprits.update(self._probe(ScheduledStep(decodes=[r]), r))
+            for r, n in scheduled.prefills:
+                culprits.update(self._probe(ScheduledStep(prefills=[(r, n)]), r))
+            for r, d in scheduled.verifies:
+                culprits.update(self._probe(ScheduledStep(verifies=[(r, d)]), r))
         every = len(scheduled.decodes) + len(scheduled.prefills) + len(scheduled.verifies)
         if not culprits or (len(culprits) > 1 and len(culprits) == every):
             raise failure  # none fails alone, or every one does: the engine is broken, not a request
         for rid, why in culprits.items():
             request = self.scheduler.remove(rid)
             log.error("request %s failed in a step and was removed from it: %s", rid, why)
-            outputs.append(RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=f"engine error: {why}"))
+            outputs.append(
+                RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=f"engine error: {why}", retryable=True)
+            )
             if request is not None:
                 self._finish(request, FinishReason.ERROR)
         rest = ScheduledStep(

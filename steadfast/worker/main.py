@@ -39,6 +39,7 @@ from steadfast.protocol import (
     Degrade,
     FinishReason,
     Migrate,
+    Ping,
     Promote,
     RequestOutput,
     Retire,
@@ -49,6 +50,7 @@ from steadfast.protocol import (
     WorkerState,
     WorkerStatus,
 )
+from steadfast.worker.cache_report import CacheReporter
 from steadfast.worker.engine import Engine, LoadedModel, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.startup import StartupPhases, trim_heap
@@ -76,6 +78,8 @@ class WorkerLoop:
         self._failpoint = f"worker{worker_id}_step"
         self._last_status = 0.0
         self._last_counts = (0, 0.0, 0)  # engine steps, step seconds, step tokens at the last report
+        self.probe = 0  # the router's last Ping, answered in the next report
+        self.cache_reporter = CacheReporter(worker_id)
 
     def status(self, state: WorkerState) -> WorkerStatus:
         e = self.engine
@@ -109,8 +113,11 @@ class WorkerLoop:
             tokens_per_step=e.spec.tokens_per_step,
             degradation_level=e.orders.level,
             ladder_swaps=e.scheduler.ladder_swaps,
+            rss_mb=rss_mb(),
+            probe=self.probe,
             **offload_status(e),
             **wire_status(e),
+            **transport_status(e),
         )
 
     def _report(self, force: bool = False) -> None:
@@ -118,9 +125,13 @@ class WorkerLoop:
         if force or now - self._last_status >= self.cfg.server.status_interval_s:
             self._last_status = now
             self.outbox.send(self.status(WorkerState.STOPPING if self.stopping else WorkerState.READY))
+            e = self.engine
+            if e is not None and (events := self.cache_reporter.events(e.blocks.cached_names(), now)):
+                self.outbox.send(events)
 
     def run(self, engine: Engine) -> None:
         self.engine = engine
+        engine.nonfinite_failpoint = f"worker{self.worker_id}_nonfinite"
         self._report(force=True)
         interval_ms = int(self.cfg.server.status_interval_s * 1000)
         while not self._gone(engine):
@@ -168,6 +179,9 @@ class WorkerLoop:
         elif isinstance(msg, Promote):
             self.role = msg.role
             self._report(force=True)
+        elif isinstance(msg, Ping):
+            self.probe = msg.nonce
+            self._report(force=True)
         elif isinstance(msg, Degrade):
             if msg != engine.orders:
                 log.info("degradation orders: level %d, %s", msg.level, msg)
@@ -205,8 +219,28 @@ class WorkerLoop:
             for request_id in list(engine.requests):
                 engine.abort(request_id)
                 why = f"engine error: {exc}"
-                failed.append(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=why))
+                failed.append(
+                    RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=why, retryable=True)
+                )
             return failed
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MiB (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return resident * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def transport_status(e: Engine) -> dict[str, int]:
+    """The status report's counts of the KV wire's sending side (the health check's transport layer)."""
+    sender = e.kv.sender
+    if sender is None:
+        return {}
+    return {"kv_messages_sent": sender.sent, "kv_resends": sender.resent, "kv_move_timeouts": sender.timeouts}
 
 
 def wire_status(e: Engine) -> dict[str, dict[str, int]]:

@@ -132,6 +132,9 @@ class KVSender:
         self._sessions: dict[str, tuple[SourceSession, tuple[str, str], float]] = {}
         self._paths: dict[tuple[str, str], Transport] = {}
         self.pending = 0  # transfers begun and not yet reported (engine thread's count)
+        # Since start, for the health check's transport layer: messages and frames sent, those sent again
+        # (a retried PREALLOC/COMMIT/ask, a part the ack named missing), sessions given up for no answer.
+        self.sent = self.resent = self.timeouts = 0
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -295,6 +298,7 @@ class KVSender:
         p = out.parts[k]
         frame = KVFrame(out.session.session, 0, k, p.layer, p.start, p.count, xxhash.xxh3_64_intdigest(p.data), p.data)
         out.bytes += self._path(out).send_frame(frame)
+        self.sent += 1
         out.sent.add(k)
         out.t_first = out.t_first or time.perf_counter()
 
@@ -391,7 +395,9 @@ class KVSender:
             out.problem = f"{out.addresses[out.path][0]}: {len(named) or len(out.parts)} chunks missing or corrupt"
             if msg.attempt == s.attempt and s.attempt < self.retries:
                 self.retry.sleep(s.attempt)
-                out.sent -= named or set(range(len(out.parts)))  # sent again before the copy stage's manifest
+                again = named or set(range(len(out.parts)))
+                self.resent += len(again)
+                out.sent -= again  # sent again before the copy stage's manifest
         if isinstance(msg, Abort):
             log.warning(
                 "KV transfer of %s: the destination aborted session %s (%s)", out.request_id, s.session, msg.reason
@@ -415,6 +421,7 @@ class KVSender:
                 case Send(message=msg):
                     if isinstance(msg, Prealloc | Commit) and s is not None and s.attempt:
                         out.retries += 1
+                        self.resent += 1
                     self._try(out, lambda m=msg: self._path(out).send(m))
                 case Decide():
                     out.asks += 1
@@ -425,11 +432,13 @@ class KVSender:
                         self._end(out, TransferOutcome.FAILED)
                         return
                     out.retries += out.asks > 1
+                    self.resent += out.asks > 1
                     self._try(out, lambda d=a: self._path(out).send(AskDecision(d.session, d.proposal)))
                 case ResumeAtSource(reason=reason):
                     if reported:
                         return
                     why = "no answer" if reason is AbortReason.TIMEOUT else str(reason)
+                    self.timeouts += reason is AbortReason.TIMEOUT
                     out.errors.append(out.problem or f"{out.addresses[out.path][0]}: {why}")
                     self._next_path(out)
                     return
@@ -442,6 +451,7 @@ class KVSender:
         """A send on a path that is down is an unanswered one: the session's timer retries, then aborts."""
         try:
             send()
+            self.sent += 1
         except PathDownError as exc:
             out.problem = str(exc)
 

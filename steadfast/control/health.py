@@ -1,0 +1,284 @@
+"""Health detection (ARCHITECTURE.md §7; the first seed article's §5): four layers per worker and a
+delta-based score, judged by the router from what it sees itself (every token's arrival) and what the
+worker reports.
+
+- process: reports arriving (the registry's `Liveness`: SUSPECT after the silence limit, when the router
+  sends a second probe, SILENT when that goes unanswered too; DEAD only from the supervisor);
+- resource: KV use, resident memory;
+- request: requests failing on the worker (an engine error, non-finite logits) or stalling (no token for
+  `stall_s`): each is retried once elsewhere; `sick_failures` within the window make the worker SICK;
+- transport: the KV wire's resend rate and timed-out sessions.
+
+The score compares each signal's recent median with the worker's own baseline (the median of the
+samples before the recent window), so a worker that has always been noisy is not judged by its noise,
+only by getting worse. Pure: the engine client feeds it and acts on what it says.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from steadfast.config_health import HealthConfig
+from steadfast.control.workers import Liveness, WorkerHandle
+
+SAMPLES = 600  # per worker: ten minutes at the default 1 s interval, bounding memory
+EVENTS = 500  # health events kept for /admin/health
+
+
+class LayerState(enum.StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+class Standing(enum.StrEnum):
+    """How the router treats a worker for its health."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # score over the threshold: work migrates away, nothing new while others can take it
+    SICK = "sick"  # its requests fail or stall: out of rotation, its requests moved
+    PROBATION = "probation"  # sick, cooled down: one request may go there; healthy once it gets a token
+
+
+@dataclass
+class Sample:
+    at: float
+    tpot_s: float | None  # p99 of the gaps between tokens seen from it in the interval (None: no decoding)
+    queued: int
+    kv_use: float
+    sent: int  # KV wire messages sent since start
+    resent: int
+
+
+@dataclass
+class Score:
+    value: float = 0.0
+    terms: dict[str, float] = field(default_factory=dict)  # each weighted term, for people
+    known: bool = False  # enough baseline to judge
+
+
+@dataclass
+class HealthEvent:
+    at: float  # wall clock
+    worker_id: int
+    what: str  # standing or layer change, eviction
+    reason: str
+
+
+@dataclass
+class WorkerHealth:
+    worker_id: int
+    samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    gaps: list[float] = field(default_factory=list)  # token gaps seen since the last sample
+    failures: deque[float] = field(default_factory=deque)  # request-layer failures (monotonic times)
+    standing: Standing = Standing.HEALTHY
+    since: float = 0.0  # when the standing last changed
+    probe_request: str = ""  # on probation: the one request sent there
+    score: Score = field(default_factory=Score)
+    layers: dict[str, tuple[LayerState, str]] = field(default_factory=dict)
+    last_eviction: float = -math.inf
+    evicted: int = 0  # requests migrated away for its health, since it joined
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(0.99 * len(ordered)) - 1))]
+
+
+def delta_score(samples: Iterable[Sample], now: float, cfg: HealthConfig) -> Score:
+    """The worker's recent window against its baseline (see HealthConfig for the formula)."""
+    items = list(samples)
+    recent = [s for s in items if s.at > now - cfg.recent_s]
+    base = [s for s in items if now - cfg.baseline_s <= s.at <= now - cfg.recent_s]
+    if len(base) < cfg.min_baseline or not recent:
+        return Score()
+    terms = {}
+    tpot_recent = [s.tpot_s for s in recent if s.tpot_s is not None]
+    tpot_base = [s.tpot_s for s in base if s.tpot_s is not None]
+    tpot = 0.0
+    if tpot_recent and tpot_base:
+        was = statistics.median(tpot_base)
+        tpot = (statistics.median(tpot_recent) - was) / max(was, cfg.tpot_floor_ms / 1000)
+    terms["tpot"] = cfg.weight_tpot * max(0.0, tpot)
+    q_base = statistics.median(s.queued for s in base)
+    queue = (statistics.median(s.queued for s in recent) - q_base) / max(q_base, cfg.queue_floor, 1e-9)
+    terms["queue"] = cfg.weight_queue * max(0.0, queue)
+    kv = statistics.median(s.kv_use for s in recent) - statistics.median(s.kv_use for s in base)
+    terms["kv"] = cfg.weight_kv * max(0.0, kv / cfg.kv_rise_full)
+    before = base[-1]
+    sent, resent = recent[-1].sent - before.sent, recent[-1].resent - before.resent
+    rate = resent / sent if sent > 0 else 0.0
+    terms["transport"] = cfg.weight_transport * max(0.0, rate / cfg.resend_rate_full)
+    return Score(min(1.0, sum(terms.values())), {k: round(v, 3) for k, v in terms.items()}, True)
+
+
+class HealthMonitor:
+    def __init__(self, cfg: HealthConfig) -> None:
+        self.cfg = cfg
+        self._workers: dict[int, WorkerHealth] = {}
+        self.events: deque[HealthEvent] = deque(maxlen=EVENTS)
+        self.retried = 0  # requests retried elsewhere after failing or stalling on a worker
+
+    def of(self, worker_id: int) -> WorkerHealth:
+        h = self._workers.get(worker_id)
+        if h is None:
+            h = self._workers[worker_id] = WorkerHealth(worker_id)
+        return h
+
+    def forget(self, worker_id: int) -> None:
+        self._workers.pop(worker_id, None)
+
+    # --- what the router sees ------------------------------------------------------------------
+    def token_gap(self, worker_id: int, seconds: float) -> None:
+        """A request on `worker_id` got its next token `seconds` after its previous one."""
+        h = self.of(worker_id)
+        if len(h.gaps) < 100_000:
+            h.gaps.append(seconds)
+
+    def failure(self, worker_id: int, request_id: str, why: str, now: float, wall: float) -> bool:
+        """A request failed or stalled on `worker_id`; True when that makes the worker sick."""
+        h = self.of(worker_id)
+        h.failures.append(now)
+        while h.failures and h.failures[0] < now - self.cfg.failure_window_s:
+            h.failures.popleft()
+        if h.standing is Standing.PROBATION or (
+            h.standing is not Standing.SICK and len(h.failures) >= self.cfg.sick_failures
+        ):
+            reason = f"{len(h.failures)} request failure(s) in {self.cfg.failure_window_s:.0f}s, last: {why}"
+            self._set(h, Standing.SICK, reason, now, wall)
+            return True
+        return False
+
+    def answered(self, worker_id: int, request_id: str, now: float, wall: float) -> None:
+        """A request produced a token on `worker_id`: the probe of a worker on probation passes."""
+        h = self._workers.get(worker_id)
+        if h is not None and h.standing is Standing.PROBATION and h.probe_request == request_id:
+            h.failures.clear()
+            self._set(h, Standing.HEALTHY, f"probe request {request_id} produced a token", now, wall)
+
+    def placed(self, worker_id: int, request_id: str) -> None:
+        h = self._workers.get(worker_id)
+        if h is not None and h.standing is Standing.PROBATION and not h.probe_request:
+            h.probe_request = request_id
+
+    # --- judgement -----------------------------------------------------------------------------
+    def tick(self, workers: Iterable[WorkerHandle], open_gaps: dict[int, float], now: float, wall: float) -> None:
+        """One sample per worker: the token gaps seen since the last (and the longest a request of it has
+        been waiting for its next token now: a stopped worker sends none), its reported queue, KV use and
+        wire counts; then its score, layers and standing."""
+        for w in workers:
+            if w.dead:
+                self.forget(w.worker_id)
+                continue
+            h, s = self.of(w.worker_id), w.status
+            gaps = h.gaps + ([open_gaps[w.worker_id]] if w.worker_id in open_gaps else [])
+            h.gaps = []
+            if s is not None:
+                h.samples.append(
+                    Sample(now, p99(gaps) if gaps else None, s.num_waiting, w.kv_use, s.kv_messages_sent, s.kv_resends)
+                )
+            h.score = delta_score(h.samples, now, self.cfg)
+            self._layers(h, w, now, wall)
+            self._judge(h, now, wall)
+
+    def _judge(self, h: WorkerHealth, now: float, wall: float) -> None:
+        cfg = self.cfg
+        if h.standing is Standing.SICK:
+            if now - h.since >= cfg.sick_cooldown_s:
+                h.probe_request = ""
+                why = f"sick for {cfg.sick_cooldown_s:.0f}s: one request may try it"
+                self._set(h, Standing.PROBATION, why, now, wall)
+            return
+        if h.standing is Standing.PROBATION:
+            return
+        over = h.score.value > cfg.threshold
+        if over and h.standing is Standing.HEALTHY:
+            self._set(h, Standing.DEGRADED, f"score {h.score.value:.2f} > {cfg.threshold} ({h.score.terms})", now, wall)
+        elif not over and h.standing is Standing.DEGRADED:
+            self._set(h, Standing.HEALTHY, f"score {h.score.value:.2f} <= {cfg.threshold}", now, wall)
+
+    def _layers(self, h: WorkerHealth, w: WorkerHandle, now: float, wall: float) -> None:
+        cfg, s = self.cfg, w.status
+        process = {
+            Liveness.ALIVE: (LayerState.OK, "reporting"),
+            Liveness.SUSPECT: (LayerState.WARN, "reports stopped: probed"),
+            Liveness.SILENT: (LayerState.FAIL, "no report, probe unanswered"),
+        }.get(w.liveness, (LayerState.FAIL, "dead"))
+        resource = (LayerState.OK, "")
+        if w.kv_use >= cfg.kv_warn:
+            resource = (LayerState.WARN, f"KV use {w.kv_use:.0%}")
+        if s is not None and cfg.max_rss_mb and s.rss_mb > cfg.max_rss_mb:
+            resource = (LayerState.WARN, f"RSS {s.rss_mb:.0f} MiB > {cfg.max_rss_mb:.0f}")
+        recent = sum(1 for t in h.failures if t >= now - cfg.failure_window_s)
+        request = (LayerState.OK, "")
+        if h.standing in (Standing.SICK, Standing.PROBATION):
+            request = (LayerState.FAIL, f"{recent} failure(s) in {cfg.failure_window_s:.0f}s")
+        elif recent:
+            request = (LayerState.WARN, f"{recent} failure(s) in {cfg.failure_window_s:.0f}s")
+        transport = (LayerState.OK, "")
+        if h.score.terms.get("transport", 0.0) > 0:
+            transport = (LayerState.WARN, "KV messages resent")
+        if s is not None and s.kv_move_timeouts and len(h.samples) >= 2:
+            transport = (LayerState.WARN, f"{s.kv_move_timeouts} KV move session(s) timed out since start")
+        layers = {"process": process, "resource": resource, "request": request, "transport": transport}
+        for name, (state, reason) in layers.items():
+            old = h.layers.get(name)
+            if old is not None and old[0] != state:
+                self.events.append(HealthEvent(wall, h.worker_id, f"{name} {old[0]} -> {state}", reason))
+        h.layers = layers
+
+    def _set(self, h: WorkerHealth, standing: Standing, reason: str, now: float, wall: float) -> None:
+        self.events.append(HealthEvent(wall, h.worker_id, f"{h.standing} -> {standing}", reason))
+        h.standing, h.since = standing, now
+
+    # --- what to do ----------------------------------------------------------------------------
+    def avoid(self, worker_id: int) -> bool:
+        """Whether a new request should go elsewhere when another worker can take it."""
+        if not self.cfg.enabled:
+            return False
+        h = self._workers.get(worker_id)
+        if h is None:
+            return False
+        if h.standing is Standing.PROBATION:
+            return bool(h.probe_request)  # one request only, until it answers
+        return h.standing in (Standing.SICK, Standing.DEGRADED)
+
+    def excluded(self, worker_id: int) -> bool:
+        """Whether the worker takes nothing at all (sick): not even when it is the only one."""
+        h = self._workers.get(worker_id)
+        return self.cfg.enabled and h is not None and h.standing is Standing.SICK
+
+    def evictions(self, worker_id: int, active: int, now: float) -> int:
+        """How many of the worker's `active` requests to migrate away now: ceil(active x (score -
+        threshold)) while it is degraded, once per `worker_cooldown_s`; all of them while it is sick."""
+        h = self._workers.get(worker_id)
+        if not self.cfg.enabled or h is None or active <= 0:
+            return 0
+        if h.standing is Standing.SICK:
+            return active
+        if h.standing is not Standing.DEGRADED or now - h.last_eviction < self.cfg.worker_cooldown_s:
+            return 0
+        return min(active, math.ceil(active * (h.score.value - self.cfg.threshold)))
+
+    def evicting(self, worker_id: int, count: int, now: float, wall: float, detail: str) -> None:
+        h = self.of(worker_id)
+        h.last_eviction = now
+        h.evicted += count
+        self.events.append(HealthEvent(wall, worker_id, f"migrating {count} away", detail))
+
+    def view(self, worker_id: int) -> dict[str, object]:
+        h = self.of(worker_id)
+        return {
+            "standing": h.standing.value,
+            "score": round(h.score.value, 3),
+            "score_known": h.score.known,
+            "score_terms": h.score.terms,
+            "layers": {name: {"state": st.value, "reason": why} for name, (st, why) in h.layers.items()},
+            "evicted": h.evicted,
+            "recent_failures": len(h.failures),
+        }
