@@ -552,8 +552,8 @@ class EngineClient:
 
     async def _health_round(self, now: float) -> None:
         """Sample every worker, score it, and act: a degraded worker's lowest-priority, least recently
-        active requests migrate to the least loaded healthy worker with room (never back within the
-        request cooldown, never to a worker as loaded); a sick worker's requests are retried elsewhere."""
+        active requests migrate to the least loaded healthy worker with room (not moved again within
+        the request cooldown); a sick worker's requests are retried elsewhere."""
         open_gaps: dict[int, float] = {}
         for f in self._flights.values():
             if f.last_token and not f.mark.moving and f.last_worker == f.mark.owner:
@@ -581,8 +581,8 @@ class EngineClient:
                 if rid in self._health_moved or self.migrations.active(rid) is not None:
                     continue
                 target = self.migrations.target(flight, w)
-                if target is None or self.health.avoid(target.worker_id) or target.load + 1 >= w.load:
-                    break  # nowhere better to go: moving would only shift the trouble
+                if target is None or self.health.avoid(target.worker_id):
+                    break  # nowhere healthy with room to go
                 with contextlib.suppress(MigrationError):
                     await self.migrate(rid, target.worker_id, MigrationReason.HEALTH)
                     self._health_moved[rid] = now

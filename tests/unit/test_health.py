@@ -1,0 +1,161 @@
+"""Health detection and routing, pure: the delta-based score against a worker's own baseline, standings
+(degraded, sick, probation), evictions in proportion to the excess, the second probe before a quiet worker
+is silent, the cache index and KV-aware routing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from steadfast.config import HealthConfig, RoutingConfig, SchedulerConfig
+from steadfast.control.health import HealthMonitor, Sample, Standing, delta_score
+from steadfast.control.routing import Router
+from steadfast.control.signals import WorkerLoad
+from steadfast.control.workers import Liveness, WorkerRegistry
+from steadfast.kv.block_manager import BlockManager, chain
+from steadfast.protocol import CacheEvents, Priority, WorkerRole, WorkerState, WorkerStatus
+
+pytestmark = pytest.mark.unit
+
+CFG = HealthConfig(interval_s=1.0, recent_s=5.0, baseline_s=60.0, min_baseline=8)
+
+
+def samples(tpots: list[float], queued: int = 0, kv: float = 0.3) -> list[Sample]:
+    return [Sample(float(t), tpot, queued, kv, 0, 0) for t, tpot in enumerate(tpots)]
+
+
+def test_no_score_without_a_baseline_and_none_for_a_steady_worker():
+    assert not delta_score(samples([0.02] * 8), 8.0, CFG).known  # 3 baseline samples: not enough
+    steady = delta_score(samples([0.02] * 40), 40.0, CFG)
+    assert steady.known and steady.value == 0.0
+
+
+def test_a_tpot_three_times_its_baseline_alone_crosses_the_threshold():
+    s = samples([0.02] * 30 + [0.061] * 6)
+    score = delta_score(s, 36.0, CFG)
+    assert score.terms["tpot"] == pytest.approx(0.30 * (0.061 - 0.02) / 0.02, rel=1e-3)
+    assert score.value > CFG.threshold
+
+
+def test_noise_of_a_steady_mean_is_no_trend():
+    """A worker that has always been noisy (random p99s around one mean) is not judged by its noise."""
+    rng = random.Random(7)
+    worst = 0.0
+    for _ in range(200):
+        s = samples([0.02 + rng.uniform(0, 0.06) for _ in range(60)])
+        worst = max(worst, delta_score(s, 60.0, CFG).value)
+    assert worst < CFG.threshold, worst
+
+
+def test_kv_and_transport_terms():
+    s = [Sample(float(t), 0.02, 0, 0.3 if t < 30 else 0.6, 100 * t, 0 if t < 30 else 10 * (t - 30)) for t in range(36)]
+    score = delta_score(s, 36.0, CFG)
+    assert score.terms["kv"] == pytest.approx(0.25, rel=1e-3)  # a 30-point rise counts as 1
+    assert score.terms["transport"] == pytest.approx(0.4, rel=1e-3)  # 10 % of messages resent: 2 x 0.20
+    assert score.value == pytest.approx(0.65, rel=1e-3)
+
+
+def registry_with(n: int) -> WorkerRegistry:
+    r = WorkerRegistry()
+    for i in range(n):
+        r.add(i, f"ipc://w{i}", WorkerRole.MIXED)
+        r.observe(WorkerStatus(i, 100 + i, WorkerRole.MIXED, WorkerState.READY, 100, 10), now=0.0)
+    return r
+
+
+def test_degraded_then_evictions_in_proportion_to_the_excess_once_per_cooldown():
+    cfg = HealthConfig(min_baseline=8, worker_cooldown_s=3.0)
+    h = HealthMonitor(cfg)
+    reg = registry_with(1)
+    w = reg.get(0)
+    for t in range(40):
+        gap = 0.02 if t < 30 else 0.1
+        h.token_gap(0, gap)
+        h.tick([w], {}, float(t), 0.0)
+    assert h.of(0).standing is Standing.DEGRADED and h.avoid(0) and not h.excluded(0)
+    assert h.evictions(0, 10, 40.0) == 4  # ceil(10 x (1.0 - 0.6))
+    h.evicting(0, 4, 40.0, 0.0, "x")
+    assert h.evictions(0, 10, 41.0) == 0  # cooldown
+    assert any("degraded" in e.what for e in h.events)
+
+
+def test_request_failures_make_a_worker_sick_then_probation_then_healthy():
+    h = HealthMonitor(HealthConfig(sick_failures=2, sick_cooldown_s=10.0))
+    reg = registry_with(1)
+    assert not h.failure(0, "a", "nan", 0.0, 0.0)
+    assert h.failure(0, "b", "nan", 1.0, 0.0)
+    assert h.excluded(0) and h.of(0).standing is Standing.SICK
+    h.tick(reg, {}, 12.0, 0.0)
+    assert h.of(0).standing is Standing.PROBATION and not h.excluded(0) and not h.avoid(0)
+    h.placed(0, "probe")
+    assert h.avoid(0)  # one request at a time on probation
+    h.answered(0, "probe", 13.0, 0.0)
+    assert h.of(0).standing is Standing.HEALTHY and not h.avoid(0)
+
+
+def test_a_failure_on_probation_makes_it_sick_again():
+    h = HealthMonitor(HealthConfig(sick_failures=1, sick_cooldown_s=0.0))
+    reg = registry_with(1)
+    h.failure(0, "a", "nan", 0.0, 0.0)
+    h.tick(reg, {}, 1.0, 0.0)
+    assert h.of(0).standing is Standing.PROBATION
+    assert h.failure(0, "probe", "nan", 2.0, 0.0) and h.excluded(0)
+
+
+def test_a_quiet_worker_is_probed_before_it_is_silent():
+    reg = registry_with(2)
+    reg.seen(1, now=10.0)
+    suspect, silent = reg.sweep_silent(3.0, 1.0, now=3.5)
+    assert [w.worker_id for w in suspect] == [0] and not silent
+    assert reg.get(0).liveness is Liveness.SUSPECT and not reg.get(0).ready
+    suspect, silent = reg.sweep_silent(3.0, 1.0, now=4.5)
+    assert not suspect and [w.worker_id for w in silent] == [0]
+    reg.seen(0, now=5.0)
+    reg.sweep_silent(3.0, 1.0, now=5.0)
+    assert reg.get(0).liveness is Liveness.ALIVE
+
+
+def test_the_cache_index_follows_events_and_is_bounded():
+    router = Router(RoutingConfig(max_index_blocks=4), SchedulerConfig(), 16)
+    names = chain(list(range(64)), 16, 4)
+    router.index.apply(CacheEvents(0, names[:2], reset=True))
+    assert router.index.cached_blocks(0, names) == 2
+    router.index.apply(CacheEvents(0, names[2:], [names[0]]))
+    assert router.index.cached_blocks(0, names) == 0  # the chain breaks at its first block
+    router.index.apply(CacheEvents(0, chain(list(range(200)), 16, 6), reset=True))
+    assert router.index.size(0) == 0 and router.index.dropped == 1
+
+
+def test_the_router_names_blocks_as_the_workers_do():
+    tokens = list(range(100, 180))
+    assert chain(tokens, 16, 5) == BlockManager(8, 16).chain(tokens, 5)
+
+
+def test_kv_aware_routing_prefers_the_cached_prefix_until_the_queue_costs_more():
+    reg = registry_with(2)
+    workers = list(reg)
+    router = Router(RoutingConfig(), SchedulerConfig(), 16)
+    prompt = list(range(1000, 1000 + 512))
+    router.index.apply(CacheEvents(1, chain(prompt, 16, 32), reset=True))
+    loads = {i: WorkerLoad(i, 0.01, 0.001, 100, 10) for i in range(2)}
+    router.loads = lambda: loads
+    assert router.choose(workers, prompt, Priority.NORMAL, "a").worker_id == 1
+    assert router.decisions[-1].candidates[1].cached_tokens == 511
+    # A long queue of prompts ahead on worker 1 outweighs the cached prefix.
+    from steadfast.control.signals import Queued
+
+    loads[1].queued = [Queued(Priority.NORMAL, 2000, 1, 0.0)]
+    assert router.choose(workers, prompt, Priority.NORMAL, "b").worker_id == 0
+    # ... but not for a high-priority request, which is served before normal prompts.
+    assert router.choose(workers, prompt, Priority.HIGH, "c").worker_id == 1
+
+
+def test_round_robin_and_least_loaded():
+    reg = registry_with(3)
+    workers = list(reg)
+    rr = Router(RoutingConfig(policy="round_robin"), SchedulerConfig(), 16)
+    assert [rr.choose(workers, [1] * 20).worker_id for _ in range(4)] == [0, 1, 2, 0]
+    ll = Router(RoutingConfig(policy="least_loaded"), SchedulerConfig(), 16)
+    workers[0].in_flight.update({"x", "y"})
+    assert ll.choose(workers, [1] * 20).worker_id == 1
