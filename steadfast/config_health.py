@@ -40,8 +40,9 @@ class HealthConfig:
     """Four layers per worker (process, resource, request, transport) and a delta-based score: each
     signal's recent level against the worker's own baseline (the first seed article's §5).
 
-    score = 0.30 x TPOT p99 trend + 0.25 x queue trend + 0.25 x KV-use rise / `kv_rise_full`
-            + 0.20 x transfer resend rate / `resend_rate_full`, each term >= 0, the sum capped at 1.
+    score = 0.30 x TPOT p99 trend (projected `horizon_s` ahead) + 0.25 x queue trend
+            + 0.25 x KV-use rise / `kv_rise_full` + 0.20 x transfer resend rate / `resend_rate_full`,
+    each term >= 0, the sum capped at 1.
     Over `threshold` the router migrates ceil(active x (score - threshold)) of the worker's requests
     away (lowest priority, least recently active first) and places nothing new there while another
     worker can take it."""
@@ -52,6 +53,11 @@ class HealthConfig:
     recent_s: float = 5.0  # the recent window (its median) ...
     baseline_s: float = 60.0  # ... against the worker's baseline: the median of the samples before it
     min_baseline: int = 8  # baseline samples needed before a score is given (else 0: "not known yet")
+    # The TPOT term looks ahead: its recent level plus its trend (the median slope of the last `trend_s` of
+    # samples) `horizon_s` ahead, so a worker that keeps getting slower is caught before it breaks its
+    # SLO, while a noisy but steady one (slope ~0) is not (0: the level alone, as the seed's formula).
+    trend_s: float = 10.0
+    horizon_s: float = 10.0
     threshold: float = 0.6
     weight_tpot: float = 0.30
     weight_queue: float = 0.25
@@ -93,6 +99,8 @@ class HealthConfig:
             raise ConfigError("health.weight_* must be >= 0, at least one positive")
         if self.min_baseline < 1 or self.sick_failures < 1:
             raise ConfigError("health.min_baseline and health.sick_failures must be >= 1")
+        if self.trend_s <= 0 or self.horizon_s < 0:
+            raise ConfigError("health.trend_s must be positive, health.horizon_s >= 0")
         for name in ("queue_floor", "tpot_floor_ms", "worker_cooldown_s", "request_cooldown_s", "max_rss_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"health.{name} must be >= 0")

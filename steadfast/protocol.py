@@ -212,6 +212,9 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):
     worker_id: int
     outputs: list[RequestOutput]
+    # The worker's CLOCK_MONOTONIC when its step ended (0: not stamped): the health check's token gaps
+    # are the worker's own, free of the router's scheduling delays.
+    at: float = 0.0
 
 
 class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=True):

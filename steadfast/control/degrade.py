@@ -116,8 +116,9 @@ class Degradation:
         prefill = [w for w in live if w.role == WorkerRole.PREFILL]
         return prefill or [w for w in live if w.role in (WorkerRole.MIXED, WorkerRole.DECODE)]
 
-    def loads(self) -> list[WorkerLoad]:
-        """Every serving worker's load: its measured step cost, the requests placed on it."""
+    def loads(self, exclude: str = "") -> list[WorkerLoad]:
+        """Every serving worker's load: its measured step cost, the requests placed on it (and those
+        admitted, not placed yet, where the admission expected them — but `exclude`, the one being placed)."""
         loads = {}
         for w in self._serving():
             s = w.status
@@ -139,8 +140,8 @@ class Degradation:
                 load.running.append(Running(max(0, most - done), -(-(prompt + most) // self.block_size)))
             else:
                 load.queued.append(Queued(Priority(add.priority), prompt, f.mark.owner, f.progress))
-        for q in self._unplaced.values():
-            if q.worker in loads:
+        for rid, q in self._unplaced.items():
+            if q.worker in loads and rid != exclude:
                 loads[q.worker].queued.append(q)
         return list(loads.values())
 

@@ -75,7 +75,9 @@ class Flight:
     mark: Watermark
     # When it last moved forward (admitted, an output accepted, moved): `request_timeout` counts from it.
     progress: float = field(default_factory=time.monotonic)
-    # Its last token: when, and from which worker (the health check's token gaps are per worker).
+    # Its last token: when it came (router's clock), when its worker's step ended (the worker's), and from
+    # which worker (the health check's token gaps are per worker, by the worker's stamps).
     last_token: float = 0.0
+    last_stamp: float = 0.0
     last_worker: int = -1
     retried: bool = False  # it failed or stalled on a worker once and was retried elsewhere

@@ -363,9 +363,10 @@ class EngineClient:
                 continue
             now = time.monotonic()
             if out.token_ids:
+                stamp = msg.at or now
                 if flight.last_worker == msg.worker_id:
-                    self.health.token_gap(msg.worker_id, now - flight.last_token)
-                flight.last_token, flight.last_worker = now, msg.worker_id
+                    self.health.token_gap(msg.worker_id, stamp - flight.last_stamp, now)
+                flight.last_token, flight.last_stamp, flight.last_worker = now, stamp, msg.worker_id
                 self.health.answered(msg.worker_id, out.request_id, now, time.time())
             flight.progress = now
             self.recovery.answered(out)
@@ -583,6 +584,8 @@ class EngineClient:
                 target = self.migrations.target(flight, w)
                 if target is None or self.health.avoid(target.worker_id):
                     break  # nowhere healthy with room to go
+                if target.node != w.node and not self.health.link_ok(w.worker_id):
+                    break  # its KV moves are being resent: not another node's way, over that link
                 with contextlib.suppress(MigrationError):
                     await self.migrate(rid, target.worker_id, MigrationReason.HEALTH)
                     self._health_moved[rid] = now

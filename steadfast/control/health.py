@@ -27,7 +27,12 @@ from steadfast.config_health import HealthConfig
 from steadfast.control.workers import Liveness, WorkerHandle
 
 SAMPLES = 600  # per worker: ten minutes at the default 1 s interval, bounding memory
+GAPS = 50_000  # token gaps kept per worker for its TPOT p99 over the recent window
 EVENTS = 500  # health events kept for /admin/health
+TREND_TAU = 0.5  # how consistently TPOT must rise for its slope to count (Kendall's tau of the samples)
+# A degraded worker is acted on only while its recent TPOT is this many times its peers' (their median):
+# a load burst that slows every worker alike moves nothing, one worker worse than the rest does.
+OUTLIER = 1.5
 
 
 class LayerState(enum.StrEnum):
@@ -53,12 +58,13 @@ class Sample:
     kv_use: float
     sent: int  # KV wire messages sent since start
     resent: int
+    timeouts: int = 0  # KV move sessions given up for no answer since start
 
 
 @dataclass
 class Score:
     value: float = 0.0
-    terms: dict[str, float] = field(default_factory=dict)  # each weighted term, for people
+    terms: dict[str, float] = field(default_factory=dict)  # each weighted term (and the TPOT figures), for people
     known: bool = False  # enough baseline to judge
 
 
@@ -75,12 +81,15 @@ class WorkerHealth:
     worker_id: int
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     gaps: list[float] = field(default_factory=list)  # token gaps seen since the last sample
+    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=GAPS))  # (when, gap)
     failures: deque[float] = field(default_factory=deque)  # request-layer failures (monotonic times)
     standing: Standing = Standing.HEALTHY
     since: float = 0.0  # when the standing last changed
     probe_request: str = ""  # on probation: the one request sent there
     score: Score = field(default_factory=Score)
     layers: dict[str, tuple[LayerState, str]] = field(default_factory=dict)
+    level: float | None = None  # its recent TPOT (median of the recent samples' gap p99s)
+    outlier: bool = False  # worse than its peers (OUTLIER x their median), or no peer decodes
     last_eviction: float = -math.inf
     evicted: int = 0  # requests migrated away for its health, since it joined
 
@@ -88,6 +97,17 @@ class WorkerHealth:
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(0.99 * len(ordered)) - 1))]
+
+
+def rising_slope(points: list[tuple[float, float]]) -> float:
+    """The median of the slopes between every two points (Theil-Sen: a few outliers, a noisy worker's
+    spikes, do not move it), counted only when the points rise consistently — Kendall's tau (pairs
+    rising minus pairs falling, over all pairs) at least TREND_TAU; else 0 (noise has no trend)."""
+    pairs = [(t2 - t1, y2 - y1) for i, (t1, y1) in enumerate(points) for t2, y2 in points[i + 1 :] if t2 > t1]
+    if not pairs:
+        return 0.0
+    tau = sum((dy > 0) - (dy < 0) for _, dy in pairs) / len(pairs)
+    return statistics.median(dy / dt for dt, dy in pairs) if tau >= TREND_TAU else 0.0
 
 
 def delta_score(samples: Iterable[Sample], now: float, cfg: HealthConfig) -> Score:
@@ -100,10 +120,20 @@ def delta_score(samples: Iterable[Sample], now: float, cfg: HealthConfig) -> Sco
     terms = {}
     tpot_recent = [s.tpot_s for s in recent if s.tpot_s is not None]
     tpot_base = [s.tpot_s for s in base if s.tpot_s is not None]
-    tpot = 0.0
+    tpot, detail = 0.0, {}
     if tpot_recent and tpot_base:
-        was = statistics.median(tpot_base)
-        tpot = (statistics.median(tpot_recent) - was) / max(was, cfg.tpot_floor_ms / 1000)
+        was, now_level = statistics.median(tpot_base), statistics.median(tpot_recent)
+        # Where it is heading: the robust slope of the last `trend_s` of samples, `horizon_s` ahead (a
+        # worker that keeps getting slower is caught before its level alone is three times its baseline).
+        points = [(s.at, s.tpot_s) for s in items if s.at > now - cfg.trend_s and s.tpot_s is not None]
+        slope = rising_slope(points) if len(points) >= 4 else 0.0
+        ahead = now_level + max(0.0, slope) * cfg.horizon_s
+        tpot = (ahead - was) / max(was, cfg.tpot_floor_ms / 1000)
+        detail = {
+            "tpot_baseline_ms": 1000 * was,
+            "tpot_recent_ms": 1000 * now_level,
+            "tpot_slope_ms_per_s": 1000 * slope,
+        }
     terms["tpot"] = cfg.weight_tpot * max(0.0, tpot)
     q_base = statistics.median(s.queued for s in base)
     queue = (statistics.median(s.queued for s in recent) - q_base) / max(q_base, cfg.queue_floor, 1e-9)
@@ -114,7 +144,8 @@ def delta_score(samples: Iterable[Sample], now: float, cfg: HealthConfig) -> Sco
     sent, resent = recent[-1].sent - before.sent, recent[-1].resent - before.resent
     rate = resent / sent if sent > 0 else 0.0
     terms["transport"] = cfg.weight_transport * max(0.0, rate / cfg.resend_rate_full)
-    return Score(min(1.0, sum(terms.values())), {k: round(v, 3) for k, v in terms.items()}, True)
+    rounded = {k: round(v, 3) for k, v in (terms | detail).items()}
+    return Score(min(1.0, sum(terms.values())), rounded, True)
 
 
 class HealthMonitor:
@@ -134,11 +165,12 @@ class HealthMonitor:
         self._workers.pop(worker_id, None)
 
     # --- what the router sees ------------------------------------------------------------------
-    def token_gap(self, worker_id: int, seconds: float) -> None:
+    def token_gap(self, worker_id: int, seconds: float, now: float) -> None:
         """A request on `worker_id` got its next token `seconds` after its previous one."""
         h = self.of(worker_id)
-        if len(h.gaps) < 100_000:
+        if len(h.gaps) < GAPS:
             h.gaps.append(seconds)
+        h.window.append((now, seconds))
 
     def failure(self, worker_id: int, request_id: str, why: str, now: float, wall: float) -> bool:
         """A request failed or stalled on `worker_id`; True when that makes the worker sick."""
@@ -179,12 +211,17 @@ class HealthMonitor:
             gaps = h.gaps + ([open_gaps[w.worker_id]] if w.worker_id in open_gaps else [])
             h.gaps = []
             if s is not None:
-                h.samples.append(
-                    Sample(now, p99(gaps) if gaps else None, s.num_waiting, w.kv_use, s.kv_messages_sent, s.kv_resends)
-                )
+                tpot = p99(gaps) if gaps else None
+                sent, resent, timeouts = s.kv_messages_sent, s.kv_resends, s.kv_move_timeouts
+                h.samples.append(Sample(now, tpot, s.num_waiting, w.kv_use, sent, resent, timeouts))
             h.score = delta_score(h.samples, now, self.cfg)
+            recent = [x.tpot_s for x in h.samples if x.at > now - self.cfg.recent_s and x.tpot_s is not None]
+            h.level = statistics.median(recent) if recent else None
             self._layers(h, w, now, wall)
             self._judge(h, now, wall)
+        for h in self._workers.values():
+            peers = [o.level for o in self._workers.values() if o is not h and o.level is not None]
+            h.outlier = h.level is not None and (not peers or h.level >= OUTLIER * statistics.median(peers))
 
     def _judge(self, h: WorkerHealth, now: float, wall: float) -> None:
         cfg = self.cfg
@@ -223,8 +260,9 @@ class HealthMonitor:
         transport = (LayerState.OK, "")
         if h.score.terms.get("transport", 0.0) > 0:
             transport = (LayerState.WARN, "KV messages resent")
-        if s is not None and s.kv_move_timeouts and len(h.samples) >= 2:
-            transport = (LayerState.WARN, f"{s.kv_move_timeouts} KV move session(s) timed out since start")
+        window = [x for x in h.samples if x.at >= now - cfg.recent_s]
+        if len(window) >= 2 and window[-1].timeouts > window[0].timeouts:
+            transport = (LayerState.WARN, f"{window[-1].timeouts - window[0].timeouts} KV move session(s) timed out")
         layers = {"process": process, "resource": resource, "request": request, "transport": transport}
         for name, (state, reason) in layers.items():
             old = h.layers.get(name)
@@ -246,7 +284,12 @@ class HealthMonitor:
             return False
         if h.standing is Standing.PROBATION:
             return bool(h.probe_request)  # one request only, until it answers
-        return h.standing in (Standing.SICK, Standing.DEGRADED)
+        return h.standing is Standing.SICK or (h.standing is Standing.DEGRADED and h.outlier)
+
+    def link_ok(self, worker_id: int) -> bool:
+        """Whether the worker's transport layer is OK (its KV moves to other nodes are not being resent)."""
+        h = self._workers.get(worker_id)
+        return h is None or h.layers.get("transport", (LayerState.OK, ""))[0] is LayerState.OK
 
     def excluded(self, worker_id: int) -> bool:
         """Whether the worker takes nothing at all (sick): not even when it is the only one."""
@@ -255,13 +298,14 @@ class HealthMonitor:
 
     def evictions(self, worker_id: int, active: int, now: float) -> int:
         """How many of the worker's `active` requests to migrate away now: ceil(active x (score -
-        threshold)) while it is degraded, once per `worker_cooldown_s`; all of them while it is sick."""
+        threshold)) while it is degraded and worse than its peers, once per `worker_cooldown_s`; all of them
+        while it is sick."""
         h = self._workers.get(worker_id)
         if not self.cfg.enabled or h is None or active <= 0:
             return 0
         if h.standing is Standing.SICK:
             return active
-        if h.standing is not Standing.DEGRADED or now - h.last_eviction < self.cfg.worker_cooldown_s:
+        if h.standing is not Standing.DEGRADED or not h.outlier or now - h.last_eviction < self.cfg.worker_cooldown_s:
             return 0
         return min(active, math.ceil(active * (h.score.value - self.cfg.threshold)))
 
@@ -271,13 +315,25 @@ class HealthMonitor:
         h.evicted += count
         self.events.append(HealthEvent(wall, worker_id, f"migrating {count} away", detail))
 
+    def tpot_p99(self, worker_id: int) -> float:
+        """The p99 of the gaps between tokens the router saw from the worker over the recent window (up to
+        its last sample); 0 without any."""
+        h = self.of(worker_id)
+        if not h.samples:
+            return 0.0
+        last = h.samples[-1].at
+        values = [gap for at, gap in h.window if last - self.cfg.recent_s < at <= last]
+        return p99(values) if values else 0.0
+
     def view(self, worker_id: int) -> dict[str, object]:
         h = self.of(worker_id)
         return {
+            "tpot_p99_ms": round(1000 * self.tpot_p99(worker_id), 1),
             "standing": h.standing.value,
             "score": round(h.score.value, 3),
             "score_known": h.score.known,
             "score_terms": h.score.terms,
+            "outlier": h.outlier,
             "layers": {name: {"state": st.value, "reason": why} for name, (st, why) in h.layers.items()},
             "evicted": h.evicted,
             "recent_failures": len(h.failures),

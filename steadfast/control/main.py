@@ -80,7 +80,7 @@ async def serve(
     )
     degradation = ctx.degradation
     # KV-aware routing weighs a prompt's cached prefix against each worker's load as the ladder models it.
-    client.router.loads = lambda: {load.worker_id: load for load in degradation.loads()}
+    client.router.loads = lambda rid: {load.worker_id: load for load in degradation.loads(exclude=rid)}
     ladder = asyncio.create_task(ctx.degradation.run())
     client.on_handoff = ctx.metrics.handoff
     client.on_migration = ctx.metrics.migration

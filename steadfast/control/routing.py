@@ -92,9 +92,9 @@ class Router:
         self.index = CacheIndex(cfg.max_index_blocks)
         self.decisions: deque[Decision] = deque(maxlen=cfg.history)
         self._turn = itertools.count()
-        # Each worker's load as the ladder models it (step cost, queue, running); set by the router's
-        # assembly. None: loads unknown, counted by requests in flight.
-        self.loads: Callable[[], dict[int, WorkerLoad]] | None = None
+        # Each worker's load as the ladder models it (step cost, queue, running), without the request being
+        # placed (by id); set by the router's assembly. None: loads unknown, counted by requests in flight.
+        self.loads: Callable[[str], dict[int, WorkerLoad]] | None = None
         self.cached_tokens = 0  # prompt tokens found cached where requests were sent
         self.prompt_tokens = 0
 
@@ -117,7 +117,7 @@ class Router:
             chosen = min(candidates, key=lambda w: (w.load, w.worker_id))
             scored = [Candidate(w.worker_id, 0, float(w.load)) for w in candidates]
         else:
-            scored = self._kv_aware(candidates, prompt, names, priority)
+            scored = self._kv_aware(candidates, prompt, names, priority, request_id)
             by_id = {w.worker_id: w for w in candidates}
             best = min(scored, key=lambda c: (c.cost, -c.cached_tokens, by_id[c.worker_id].load, c.worker_id))
             chosen = by_id[best.worker_id]
@@ -128,9 +128,14 @@ class Router:
         return chosen
 
     def _kv_aware(
-        self, candidates: list[WorkerHandle], prompt: Sequence[int], names: list[bytes], priority: Priority
+        self,
+        candidates: list[WorkerHandle],
+        prompt: Sequence[int],
+        names: list[bytes],
+        priority: Priority,
+        request_id: str,
     ) -> list[Candidate]:
-        loads = self.loads() if self.loads is not None else {}
+        loads = self.loads(request_id) if self.loads is not None else {}
         measured = all(w.worker_id in loads and loads[w.worker_id].token_s > 0 for w in candidates)
         scored = []
         for w in candidates:

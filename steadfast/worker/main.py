@@ -156,7 +156,7 @@ class WorkerLoop:
             if engine.has_work:
                 outputs = self._step(engine)
                 if outputs:
-                    self.outbox.send(StepOutputs(self.worker_id, outputs))
+                    self.outbox.send(StepOutputs(self.worker_id, outputs, time.monotonic()))
             self._report()
         self._report(force=True)
 

@@ -32,10 +32,28 @@ def test_no_score_without_a_baseline_and_none_for_a_steady_worker():
 
 
 def test_a_tpot_three_times_its_baseline_alone_crosses_the_threshold():
+    """The seed's formula (no look ahead): the level alone."""
     s = samples([0.02] * 30 + [0.061] * 6)
-    score = delta_score(s, 36.0, CFG)
+    score = delta_score(s, 36.0, HealthConfig(min_baseline=8, horizon_s=0.0))
     assert score.terms["tpot"] == pytest.approx(0.30 * (0.061 - 0.02) / 0.02, rel=1e-3)
     assert score.value > CFG.threshold
+
+
+def first_crossing(cfg: HealthConfig, tpots: list[float]) -> int | None:
+    for t in range(len(tpots)):
+        if delta_score(samples(tpots[: t + 1]), float(t), cfg).value > cfg.threshold:
+            return t
+    return None
+
+
+def test_looking_ahead_catches_a_worker_that_keeps_getting_slower_before_its_level_alone_would():
+    """20 ms for 30 s, then 2 ms worse every second: the level alone crosses at 3x its baseline (60 ms);
+    with the trend 10 s ahead the score crosses while the level is still about 2x."""
+    tpots = [0.02] * 30 + [0.02 + 0.002 * k for k in range(1, 40)]
+    ahead = first_crossing(CFG, tpots)
+    level = first_crossing(HealthConfig(min_baseline=8, horizon_s=0.0), tpots)
+    assert ahead is not None and level is not None and ahead < level - 5, (ahead, level)
+    assert tpots[ahead] < 0.05  # before 2.5x
 
 
 def test_noise_of_a_steady_mean_is_no_trend():
@@ -71,7 +89,7 @@ def test_degraded_then_evictions_in_proportion_to_the_excess_once_per_cooldown()
     w = reg.get(0)
     for t in range(40):
         gap = 0.02 if t < 30 else 0.1
-        h.token_gap(0, gap)
+        h.token_gap(0, gap, float(t))
         h.tick([w], {}, float(t), 0.0)
     assert h.of(0).standing is Standing.DEGRADED and h.avoid(0) and not h.excluded(0)
     assert h.evictions(0, 10, 40.0) == 4  # ceil(10 x (1.0 - 0.6))
@@ -139,7 +157,7 @@ def test_kv_aware_routing_prefers_the_cached_prefix_until_the_queue_costs_more()
     prompt = list(range(1000, 1000 + 512))
     router.index.apply(CacheEvents(1, chain(prompt, 16, 32), reset=True))
     loads = {i: WorkerLoad(i, 0.01, 0.001, 100, 10) for i in range(2)}
-    router.loads = lambda: loads
+    router.loads = lambda _rid: loads
     assert router.choose(workers, prompt, Priority.NORMAL, "a").worker_id == 1
     assert router.decisions[-1].candidates[1].cached_tokens == 511
     # A long queue of prompts ahead on worker 1 outweighs the cached prefix.
@@ -159,3 +177,20 @@ def test_round_robin_and_least_loaded():
     ll = Router(RoutingConfig(policy="least_loaded"), SchedulerConfig(), 16)
     workers[0].in_flight.update({"x", "y"})
     assert ll.choose(workers, [1] * 20).worker_id == 1
+
+
+def test_a_burst_that_slows_every_worker_alike_moves_nothing_one_worse_than_its_peers_does():
+    cfg = HealthConfig(min_baseline=8, worker_cooldown_s=0.0)
+    for slow_both in (True, False):
+        h = HealthMonitor(cfg)
+        reg = registry_with(2)
+        for t in range(40):
+            for w in (0, 1):
+                slowed = t >= 30 and (w == 1 or slow_both)
+                h.token_gap(w, 0.1 if slowed else 0.02, float(t))
+            h.tick(reg, {}, float(t), 0.0)
+        assert h.of(1).standing is Standing.DEGRADED
+        if slow_both:  # a load burst: every worker alike
+            assert not h.avoid(1) and h.evictions(1, 4, 40.0) == 0 and not h.of(1).outlier
+        else:
+            assert h.avoid(1) and h.evictions(1, 4, 40.0) > 0 and h.of(1).outlier

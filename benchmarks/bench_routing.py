@@ -1,0 +1,210 @@
+"""Routing and health, in one run: KV-aware routing vs round-robin on a multi-turn chat workload, and SLO
+attainment with the health-driven scheduler vs without it while one worker degrades.
+
+Servers of two mixed workers on one node (no standby, ledger on, the default model and dtype; the
+degradation ladder off in every arm, so that no request is refused and the figures are the router's
+placement alone). The arms run one after another, each on a fresh server.
+
+1. Multi-turn chat (`routing.policy: kv_aware` vs `round_robin`): `--sessions` concurrent chats, each a
+   distinct system prompt of ~`--system-tokens` tokens and `--turns` turns (a short user message, an
+   answer of `--answer-tokens`, greedy, EOS ignored), every turn sending the whole history. Per arm:
+   TTFT mean and p99 over all turns and over turns after the first (the first finds nothing cached
+   under either policy), and the router's prefix hit rate (prompt tokens found cached on the chosen
+   worker, by its index of the workers' cache events).
+2. One worker degrading (`health.enabled: true` vs `false`, routing as shipped): a closed loop of
+   `--clients` clients for `--seconds` (prompts of 64 tokens, 96 output tokens, greedy); after
+   `--calm` seconds worker 1 is stopped (SIGSTOP/SIGCONT) for a share of every 100 ms that grows to 90 %
+   over `--ramp` seconds and stays there. SLO attainment: the share of requests with TTFT within the TTFT
+   p99 target and mean time per output token within the TPOT p99 target (the seed's 500 ms and 80 ms).
+
+    python benchmarks/bench_routing.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_overload import Result, client, one  # noqa: E402
+from benchmarks.common import TEXT, pct, prompt_of, run_info  # noqa: E402
+from steadfast.config import SloConfig, default_model_path  # noqa: E402
+from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
+from steadfast.protocol import Priority  # noqa: E402
+from tests.chaos.test_health import DutyCycle, worker_pid  # noqa: E402
+from tests.integration.server import ServerProcess  # noqa: E402
+
+BASE = (
+    "cache: {kv_memory_mb: 512}\n"
+    "server: {workers: 2, standby_workers: 0}\n"
+    "degradation: {enabled: false, max_queued_high: 100000, max_queued_normal: 100000, max_queued_low: 100000}\n"
+)
+WORDS = TEXT.split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def chat_turn(c: httpx.AsyncClient, url: str, model: str, messages: list[dict], tokens: int) -> tuple[float, str]:
+    """One streamed chat turn: (TTFT, the answer's text)."""
+    body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    start, first, text = time.perf_counter(), 0.0, ""
+    async with c.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"chat turn refused: {r.status_code} {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content") or ""
+                if delta:
+                    first = first or time.perf_counter()
+                    text += delta
+    return (first or time.perf_counter()) - start, text
+
+
+async def chats(url: str, model: str, args: argparse.Namespace) -> dict:
+    ttfts: list[tuple[int, float]] = []  # (turn, seconds)
+
+    async def session(k: int) -> None:
+        rng = random.Random(1000 + k)
+        system = f"Session {k}. You are a patient assistant. Background: " + words(rng, args.system_tokens)
+        messages = [{"role": "system", "content": system}]
+        async with client() as c:
+            for turn in range(args.turns):
+                messages.append({"role": "user", "content": f"Question {turn}: " + words(rng, 24)})
+                ttft, answer = await chat_turn(c, url, model, messages, args.answer_tokens)
+                ttfts.append((turn, ttft))
+                messages.append({"role": "assistant", "content": answer})
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(session(k) for k in range(args.sessions)))
+    wall = time.perf_counter() - t0
+    routing = httpx.get(url + "/admin/routing").json()
+    later = [t for turn, t in ttfts if turn > 0]
+    every = [t for _, t in ttfts]
+    return {
+        "wall_s": round(wall, 1),
+        "turns": len(ttfts),
+        "ttft_mean_ms": round(1000 * statistics.mean(every), 1),
+        "ttft_p99_ms": round(1000 * pct(every, 0.99), 1),
+        "later_turns_ttft_mean_ms": round(1000 * statistics.mean(later), 1),
+        "later_turns_ttft_p99_ms": round(1000 * pct(later, 0.99), 1),
+        "prefix_hit_rate": routing["prefix_hit_rate"],
+    }
+
+
+async def degrading(url: str, tok: GGUFTokenizer, model: str, args: argparse.Namespace, slo: SloConfig) -> dict:
+    t = slo.targets(Priority.NORMAL)
+    results: list[Result] = []
+    cycle = DutyCycle(
+        worker_pid(url, 1), lambda s: 0.0 if s < args.calm else 0.09 * min(1.0, (s - args.calm) / args.ramp)
+    )
+    t0 = time.perf_counter()
+    n = 0
+    try:
+        async with client() as c:
+
+            async def loop(i: int) -> None:
+                nonlocal n
+                while time.perf_counter() - t0 < args.seconds:
+                    n += 1
+                    body = {
+                        "model": model,
+                        "prompt": prompt_of(tok, 64, f"d{i}-{n}"),
+                        "max_tokens": 96,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": True,
+                        "return_token_ids": True,
+                    }
+                    results.append(await one(c, url, body, t0, "normal"))
+
+            await asyncio.gather(*(loop(i) for i in range(args.clients)))
+    finally:
+        cycle.end()
+    complete = [r for r in results if r.status == 200 and r.tokens == 96 and not r.error]
+    good = [
+        r
+        for r in complete
+        if r.ttft is not None and r.ttft * 1000 <= t.ttft_ms.p99 and (r.tpot or 0) * 1000 <= t.tpot_ms.p99
+    ]
+    migrations = httpx.get(url + "/admin/migrations").json()
+    tpots = [r.tpot for r in complete if r.tpot is not None]
+    return {
+        "requests": len(results),
+        "complete": len(complete),
+        "slo_attainment": round(len(good) / max(1, len(results)), 4),
+        "tpot_p99_ms": round(1000 * pct(tpots, 0.99), 1) if tpots else None,
+        "migrated_for_health": sum(1 for m in migrations if m["reason"] == "health"),
+        "longest_stop_ms": round(1000 * cycle.longest, 1),
+    }
+
+
+def serve(tmp: Path, name: str, extra: str, model: str) -> ServerProcess:
+    folder = tmp / name
+    folder.mkdir()
+    server = ServerProcess(folder, BASE + extra, model=model)
+    server.wait_ready()
+    return server
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system-tokens", type=int, default=400, help="words of each session's system prompt")
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--calm", type=float, default=10.0)
+    p.add_argument("--ramp", type=float, default=30.0)
+    p.add_argument("--model", default="")
+    p.add_argument("--skip", choices=["chat", "degrading"], default=None)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "routing.json"))
+    args = p.parse_args()
+    model_path = args.model or default_model_path()
+    tok = GGUFTokenizer.from_gguf(model_path)
+    report: dict = {**run_info(args), "chat": {}, "degrading": {}}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-routing-"))
+    slo = SloConfig()
+    if args.skip != "chat":
+        for policy in ("kv_aware", "round_robin"):
+            server = serve(tmp, f"chat-{policy}", f"routing: {{policy: {policy}}}\n", model_path)
+            try:
+                name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+                report["chat"][policy] = asyncio.run(chats(server.url, name, args))
+            finally:
+                server.stop()
+            print(policy, report["chat"][policy], flush=True)
+        kv, rr = report["chat"]["kv_aware"], report["chat"]["round_robin"]
+        report["chat"]["ttft_mean_cut"] = round(1 - kv["ttft_mean_ms"] / rr["ttft_mean_ms"], 3)
+        report["chat"]["later_turns_ttft_mean_cut"] = round(
+            1 - kv["later_turns_ttft_mean_ms"] / rr["later_turns_ttft_mean_ms"], 3
+        )
+    if args.skip != "degrading":
+        for mode in ("on", "off"):
+            extra = f"health: {{enabled: {'true' if mode == 'on' else 'false'}}}\n"
+            server = serve(tmp, f"degrading-{mode}", extra, model_path)
+            try:
+                name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+                report["degrading"][mode] = asyncio.run(degrading(server.url, tok, name, args, slo))
+            finally:
+                server.stop()
+            print("health", mode, report["degrading"][mode], flush=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("chat", "degrading")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
