@@ -11,8 +11,10 @@ placement alone). The arms run one after another, each on a fresh server.
    TTFT mean and p99 over all turns and over turns after the first (the first finds nothing cached
    under either policy), and the router's prefix hit rate (prompt tokens found cached on the chosen
    worker, by its index of the workers' cache events).
-2. One worker degrading (`health.enabled: true` vs `false`, routing as shipped): a closed loop of
-   `--clients` clients for `--seconds` (prompts of 64 tokens, 96 output tokens, greedy); after
+2. One worker degrading, the global scheduler as shipped (health checks, KV-aware routing) vs without it
+   (`health.enabled: false`, `routing.policy: least_loaded`, the placement before it; and `blind`:
+   round-robin, no health checks): Poisson arrivals at
+   `--rate` per second for `--seconds` (prompts of 64 tokens, 96 output tokens, greedy); after
    `--calm` seconds worker 1 is stopped (SIGSTOP/SIGCONT) for a share of every 100 ms that grows to 90 %
    over `--ramp` seconds and stays there. SLO attainment: the share of requests with TTFT within the TTFT
    p99 target and mean time per output token within the TPOT p99 target (the seed's 500 ms and 80 ms).
@@ -51,6 +53,13 @@ BASE = (
     "degradation: {enabled: false, max_queued_high: 100000, max_queued_normal: 100000, max_queued_low: 100000}\n"
 )
 WORDS = TEXT.split()
+# The global scheduler as shipped (health checks, KV-aware routing) and without it: no health checks,
+# placement by fewest requests in flight (the release before it).
+SCHEDULERS = {
+    "on": "health: {enabled: true}\nrouting: {policy: kv_aware}\n",
+    "off": "health: {enabled: false}\nrouting: {policy: least_loaded}\n",
+    "blind": "health: {enabled: false}\nrouting: {policy: round_robin}\n",  # blind to load and health alike
+}
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -97,40 +106,41 @@ async def chats(url: str, model: str, args: argparse.Namespace) -> dict:
         "wall_s": round(wall, 1),
         "turns": len(ttfts),
         "ttft_mean_ms": round(1000 * statistics.mean(every), 1),
-        "ttft_p99_ms": round(1000 * pct(every, 0.99), 1),
+        "ttft_p99_ms": round(1000 * pct(every, 99), 1),
         "later_turns_ttft_mean_ms": round(1000 * statistics.mean(later), 1),
-        "later_turns_ttft_p99_ms": round(1000 * pct(later, 0.99), 1),
+        "later_turns_ttft_p99_ms": round(1000 * pct(later, 99), 1),
         "prefix_hit_rate": routing["prefix_hit_rate"],
     }
 
 
 async def degrading(url: str, tok: GGUFTokenizer, model: str, args: argparse.Namespace, slo: SloConfig) -> dict:
+    """Poisson arrivals at `--rate` per second for `--seconds` (open loop: a slow worker's requests do
+    not hold the arrivals back), every request waited for, while worker 1 slows down."""
     t = slo.targets(Priority.NORMAL)
-    results: list[Result] = []
+    rng = random.Random(7)
+    tasks: list[asyncio.Task[Result]] = []
     cycle = DutyCycle(
         worker_pid(url, 1), lambda s: 0.0 if s < args.calm else 0.09 * min(1.0, (s - args.calm) / args.ramp)
     )
     t0 = time.perf_counter()
-    n = 0
     try:
         async with client() as c:
-
-            async def loop(i: int) -> None:
-                nonlocal n
-                while time.perf_counter() - t0 < args.seconds:
-                    n += 1
-                    body = {
-                        "model": model,
-                        "prompt": prompt_of(tok, 64, f"d{i}-{n}"),
-                        "max_tokens": 96,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                        "stream": True,
-                        "return_token_ids": True,
-                    }
-                    results.append(await one(c, url, body, t0, "normal"))
-
-            await asyncio.gather(*(loop(i) for i in range(args.clients)))
+            next_at, n = 0.0, 0
+            while next_at < args.seconds:
+                await asyncio.sleep(max(0.0, next_at - (time.perf_counter() - t0)))
+                n += 1
+                body = {
+                    "model": model,
+                    "prompt": prompt_of(tok, 64, f"d{n}-{rng.random():.6f}"),
+                    "max_tokens": 96,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
+                }
+                tasks.append(asyncio.create_task(one(c, url, body, t0, "normal")))
+                next_at += rng.expovariate(args.rate)
+            results = list(await asyncio.gather(*tasks))
     finally:
         cycle.end()
     complete = [r for r in results if r.status == 200 and r.tokens == 96 and not r.error]
@@ -145,7 +155,7 @@ async def degrading(url: str, tok: GGUFTokenizer, model: str, args: argparse.Nam
         "requests": len(results),
         "complete": len(complete),
         "slo_attainment": round(len(good) / max(1, len(results)), 4),
-        "tpot_p99_ms": round(1000 * pct(tpots, 0.99), 1) if tpots else None,
+        "tpot_p99_ms": round(1000 * pct(tpots, 99), 1) if tpots else None,
         "migrated_for_health": sum(1 for m in migrations if m["reason"] == "health"),
         "longest_stop_ms": round(1000 * cycle.longest, 1),
     }
@@ -165,7 +175,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-tokens", type=int, default=400, help="words of each session's system prompt")
     p.add_argument("--answer-tokens", type=int, default=32)
-    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--rate", type=float, default=1.5, help="arrivals per second while a worker degrades")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--calm", type=float, default=10.0)
     p.add_argument("--ramp", type=float, default=30.0)
@@ -193,8 +203,7 @@ def main() -> None:
             1 - kv["later_turns_ttft_mean_ms"] / rr["later_turns_ttft_mean_ms"], 3
         )
     if args.skip != "degrading":
-        for mode in ("on", "off"):
-            extra = f"health: {{enabled: {'true' if mode == 'on' else 'false'}}}\n"
+        for mode, extra in SCHEDULERS.items():
             server = serve(tmp, f"degrading-{mode}", extra, model_path)
             try:
                 name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
