@@ -74,9 +74,10 @@ class HealthConfig:
     worker_cooldown_s: float = 3.0
     request_cooldown_s: float = 30.0
     # Request layer: a request failing on a worker (an engine error, non-finite logits) or stalling
-    # (no token for `stall_s` while its worker reports) is retried once elsewhere; `sick_failures` of
-    # them within `failure_window_s` take the worker out of rotation, its requests moved; after
-    # `sick_cooldown_s` it is given one request again (on probation) and is healthy once that succeeds.
+    # (no token for `stall_s` from a worker that reports but gives nobody a token) is retried
+    # elsewhere, a failure once; `sick_failures` of them within `failure_window_s` take the worker out
+    # of rotation, its requests moved; after `sick_cooldown_s` it is given one request again (on
+    # probation) and is healthy once that succeeds.
     stall_s: float = 10.0
     sick_failures: int = 3
     failure_window_s: float = 30.0

@@ -367,6 +367,8 @@ class EngineClient:
                 if flight.last_worker == msg.worker_id:
                     self.health.token_gap(msg.worker_id, stamp - flight.last_stamp, now)
                 flight.last_token, flight.last_stamp, flight.last_worker = now, stamp, msg.worker_id
+                if (source := self.registry.get(msg.worker_id)) is not None:
+                    source.last_token_at = now
                 self.health.answered(msg.worker_id, out.request_id, now, time.time())
             flight.progress = now
             self.recovery.answered(out)
@@ -627,15 +629,23 @@ class EngineClient:
         self._spawn(self.recovery.move(flight, mark.owner, lambda: rid in self._flights, roles, node, why))
 
     async def _move_stalled(self, now: float) -> None:
-        """A request that received no token for `request_timeout` (a decoding one: for the health
-        check's `stall_s`) moves to another worker (its own is told to drop it), or fails with an
-        error saying so when none can take it within the wait. A stall counts against its worker."""
+        """A request that received no token for `request_timeout` (sooner, after the health check's
+        `stall_s`, a decoding one on a worker that reports but produced no token at all since) moves to
+        another worker (its own is told to drop it), or fails with an error saying so when none can take
+        it within the wait. Such a stall counts against its worker."""
         stall = self.health.cfg.stall_s if self.health.cfg.enabled else self.request_timeout_s
         for flight in list(self._flights.values()):
             mark = flight.mark
             owner = self.registry.get(mark.owner)
-            # A decoding request on a worker that reports (a silent one is the process layer's business).
-            stalled = bool(mark.delivered) and owner is not None and owner.liveness is Liveness.ALIVE
+            # A decoding request on a worker that reports but has produced no token for anybody since (a
+            # request merely waiting — swapped out, preempted, paced — while others get tokens is not; a
+            # silent worker is the process layer's business).
+            stalled = (
+                bool(mark.delivered)
+                and owner is not None
+                and owner.liveness is Liveness.ALIVE
+                and now - owner.last_token_at >= stall
+            )
             limit = min(stall, self.request_timeout_s) if stalled else self.request_timeout_s
             if mark.moving or now - flight.progress < limit:
                 continue

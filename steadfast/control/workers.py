@@ -37,6 +37,7 @@ class WorkerHandle:
     in_flight: set[str] = field(default_factory=set)
     draining: bool = False  # its requests are being migrated away: it takes nothing new
     joining: bool = False  # started while serving (a rollout's replacement): /health does not wait for it
+    last_token_at: float = 0.0  # when a token of any of its requests last came (router's clock)
 
     @property
     def status(self) -> WorkerStatus | None:

@@ -98,14 +98,14 @@ def reference(small_config, small_model, make_engine, prompts: list[str], tokens
 def test_a_worker_whose_requests_fail_is_taken_out_and_they_complete_elsewhere(
     tmp_path, monkeypatch, small_model_path, small_config, small_model, make_engine
 ):
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (stream {i})" for i in range(6)]
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (stream {i})" for i in range(8)]
     want = reference(small_config, small_model, make_engine, prompts, TOKENS)
-    # Worker 1's logits turn NaN from its 8th step on: its process lives and reports, its requests fail.
-    marks = arm(monkeypatch, tmp_path, "worker1_nonfinite=0@8")
+    # Worker 1's logits turn NaN from its 6th step on: its process lives and reports, its requests fail.
+    marks = arm(monkeypatch, tmp_path, "worker1_nonfinite=0@6")
     server = ServerProcess(tmp_path, config("{sick_failures: 2, sick_cooldown_s: 600}"), model=small_model_path)
     try:
         server.wait_ready()
-        got = run_streams(server.url, [(p, TOKENS, "normal") for p in prompts[:4]])
+        got = run_streams(server.url, [(p, TOKENS, "normal") for p in prompts[:6]])
         assert list(marks.glob("worker1_nonfinite.*")), "worker 1's logits never broke: the fault did not happen"
         for (ids, finish, _, _), expected in zip(got, want, strict=False):
             assert ids == expected and finish == "length"
@@ -120,8 +120,8 @@ def test_a_worker_whose_requests_fail_is_taken_out_and_they_complete_elsewhere(
         assert listed[1]["standing"] == "sick" and listed[0]["standing"] == "healthy"
         # Out of rotation: new requests all go to worker 0 and complete.
         before = len(moved)
-        later = run_streams(server.url, [(p, TOKENS, "normal") for p in prompts[4:]])
-        for (ids, finish, _, _), expected in zip(later, want[4:], strict=False):
+        later = run_streams(server.url, [(p, TOKENS, "normal") for p in prompts[6:]])
+        for (ids, finish, _, _), expected in zip(later, want[6:], strict=False):
             assert ids == expected and finish == "length"
         assert len(httpx.get(server.url + "/admin/takeovers").json()) == before  # none failed there again
         decisions = httpx.get(server.url + "/admin/routing").json()["decisions"]
