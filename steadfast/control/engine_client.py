@@ -573,21 +573,9 @@ class EngineClient:
                         await self._move_off(flight, f"its worker {w.worker_id} is sick and no other could take it")
                 continue
             owned = [f for f in self._owned(w.worker_id) if f.mark.delivered]  # decoding: what can migrate
-            count = self.health.evictions(w.worker_id, len(owned), now)
-            if not count:
-                continue
             moved = []
-            for flight in Migrations.victims(owned):
+            for flight, target in self.health.moves(w, owned, self.migrations, self._health_moved, now):
                 rid = flight.add.request_id
-                if len(moved) >= count or not self.migrations.slots:
-                    break
-                if rid in self._health_moved or self.migrations.active(rid) is not None:
-                    continue
-                target = self.migrations.target(flight, w)
-                if target is None or self.health.avoid(target.worker_id):
-                    break  # nowhere healthy with room to go
-                if target.node != w.node and not self.health.link_ok(w.worker_id):
-                    break  # its KV moves are being resent: not another node's way, over that link
                 with contextlib.suppress(MigrationError):
                     await self.migrate(rid, target.worker_id, MigrationReason.HEALTH)
                     self._health_moved[rid] = now

@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from steadfast.config_health import HealthConfig
+from steadfast.control.delivery import Flight
+from steadfast.control.migration import Migrations
 from steadfast.control.workers import Liveness, WorkerHandle
 
 SAMPLES = 600  # per worker: ten minutes at the default 1 s interval, bounding memory
@@ -308,6 +310,30 @@ class HealthMonitor:
         if h.standing is not Standing.DEGRADED or not h.outlier or now - h.last_eviction < self.cfg.worker_cooldown_s:
             return 0
         return min(active, math.ceil(active * (h.score.value - self.cfg.threshold)))
+
+    def moves(
+        self, w: WorkerHandle, decoding: list[Flight], migrations: Migrations, recent: dict[str, float], now: float
+    ) -> list[tuple[Flight, WorkerHandle]]:
+        """Which of a degraded worker's `decoding` requests go where now: `evictions` of them, lowest
+        priority and least recently active first, each to the least loaded healthy worker with 1.2x its
+        KV free (`Migrations.target`) — not to another node while this worker's KV moves are being resent
+        — within the concurrent-migration cap, none moved for health within `request_cooldown_s`
+        (`recent`: request id → when)."""
+        count = min(self.evictions(w.worker_id, len(decoding), now), migrations.slots)
+        plan: list[tuple[Flight, WorkerHandle]] = []
+        for flight in Migrations.victims(decoding):
+            rid = flight.add.request_id
+            if len(plan) >= count:
+                break
+            if rid in recent or migrations.active(rid) is not None:
+                continue
+            target = migrations.target(flight, w)
+            if target is None or self.avoid(target.worker_id):
+                break  # nowhere healthy with room to go
+            if target.node != w.node and not self.link_ok(w.worker_id):
+                break  # its KV moves are being resent: not another node's way, over that link
+            plan.append((flight, target))
+        return plan
 
     def evicting(self, worker_id: int, count: int, now: float, wall: float, detail: str) -> None:
         h = self.of(worker_id)

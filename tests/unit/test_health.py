@@ -194,3 +194,29 @@ def test_a_burst_that_slows_every_worker_alike_moves_nothing_one_worse_than_its_
             assert not h.avoid(1) and h.evictions(1, 4, 40.0) == 0 and not h.of(1).outlier
         else:
             assert h.avoid(1) and h.evictions(1, 4, 40.0) > 0 and h.of(1).outlier
+
+
+def test_moves_take_the_lowest_priority_first_and_skip_those_moved_lately():
+    import asyncio
+
+    from steadfast.config import MigrationConfig
+    from steadfast.control.delivery import Flight, Watermark
+    from steadfast.control.migration import Migrations
+    from steadfast.protocol import AddRequest, SamplingParams
+
+    cfg = HealthConfig(min_baseline=8, worker_cooldown_s=0.0)
+    h = HealthMonitor(cfg)
+    reg = registry_with(2)
+    for t in range(40):
+        h.token_gap(0, 0.02, float(t))
+        h.token_gap(1, 0.02 if t < 30 else 0.2, float(t))
+        h.tick(reg, {}, float(t), 0.0)
+    flights = []
+    for i, priority in enumerate([Priority.HIGH, Priority.LOW, Priority.NORMAL, Priority.LOW]):
+        add = AddRequest(f"r{i}", [1] * 32, SamplingParams(), priority)
+        flights.append(Flight(add, asyncio.Queue(), Watermark(1, [5, 6])))
+    migrations = Migrations(MigrationConfig(), reg, 16)
+    plan = h.moves(reg.get(1), flights, migrations, {"r3": 39.0}, 40.0)
+    assert [f.add.request_id for f, _ in plan][:2] == ["r1", "r2"]  # low first; r3 was moved lately
+    assert all(target.worker_id == 0 for _, target in plan)
+    assert h.moves(reg.get(0), flights, migrations, {}, 40.0) == []  # a healthy worker keeps its work
