@@ -210,7 +210,12 @@ class HealthMonitor:
                 self.forget(w.worker_id)
                 continue
             h, s = self.of(w.worker_id), w.status
-            gaps = h.gaps + ([open_gaps[w.worker_id]] if w.worker_id in open_gaps else [])
+            # Over the last two intervals (overlapping): a p99 of a few dozen gaps is nearly their maximum,
+            # and a trend of those is mostly noise.
+            span = now - 2 * self.cfg.interval_s
+            gaps = [gap for at, gap in h.window if at > span] + (
+                [open_gaps[w.worker_id]] if w.worker_id in open_gaps else []
+            )
             h.gaps = []
             if s is not None:
                 tpot = p99(gaps) if gaps else None
@@ -239,7 +244,10 @@ class HealthMonitor:
         if over and h.standing is Standing.HEALTHY:
             self._set(h, Standing.DEGRADED, f"score {h.score.value:.2f} > {cfg.threshold} ({h.score.terms})", now, wall)
         elif not over and h.standing is Standing.DEGRADED:
-            self._set(h, Standing.HEALTHY, f"score {h.score.value:.2f} <= {cfg.threshold}", now, wall)
+            # Healthy again once its own tokens say so; a worker emptied of work has none to say it with,
+            # and is given work again only after the request cooldown (then measured afresh).
+            if h.level is not None or now - max(h.since, h.last_eviction) >= cfg.request_cooldown_s:
+                self._set(h, Standing.HEALTHY, f"score {h.score.value:.2f} <= {cfg.threshold}", now, wall)
 
     def _layers(self, h: WorkerHealth, w: WorkerHandle, now: float, wall: float) -> None:
         cfg, s = self.cfg, w.status
@@ -286,7 +294,8 @@ class HealthMonitor:
             return False
         if h.standing is Standing.PROBATION:
             return bool(h.probe_request)  # one request only, until it answers
-        return h.standing is Standing.SICK or (h.standing is Standing.DEGRADED and h.outlier)
+        # A degraded worker with no tokens to judge it by now (emptied of work) stays avoided.
+        return h.standing is Standing.SICK or (h.standing is Standing.DEGRADED and (h.outlier or h.level is None))
 
     def link_ok(self, worker_id: int) -> bool:
         """Whether the worker's transport layer is OK (its KV moves to other nodes are not being resent)."""
