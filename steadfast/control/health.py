@@ -82,7 +82,6 @@ class HealthEvent:
 class WorkerHealth:
     worker_id: int
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=SAMPLES))
-    gaps: list[float] = field(default_factory=list)  # token gaps seen since the last sample
     window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=GAPS))  # (when, gap)
     failures: deque[float] = field(default_factory=deque)  # request-layer failures (monotonic times)
     standing: Standing = Standing.HEALTHY
@@ -169,10 +168,7 @@ class HealthMonitor:
     # --- what the router sees ------------------------------------------------------------------
     def token_gap(self, worker_id: int, seconds: float, now: float) -> None:
         """A request on `worker_id` got its next token `seconds` after its previous one."""
-        h = self.of(worker_id)
-        if len(h.gaps) < GAPS:
-            h.gaps.append(seconds)
-        h.window.append((now, seconds))
+        self.of(worker_id).window.append((now, seconds))
 
     def failure(self, worker_id: int, request_id: str, why: str, now: float, wall: float) -> bool:
         """A request failed or stalled on `worker_id`; True when that makes the worker sick."""
@@ -216,7 +212,6 @@ class HealthMonitor:
             gaps = [gap for at, gap in h.window if at > span] + (
                 [open_gaps[w.worker_id]] if w.worker_id in open_gaps else []
             )
-            h.gaps = []
             if s is not None:
                 tpot = p99(gaps) if gaps else None
                 sent, resent, timeouts = s.kv_messages_sent, s.kv_resends, s.kv_move_timeouts
@@ -309,13 +304,11 @@ class HealthMonitor:
 
     def evictions(self, worker_id: int, active: int, now: float) -> int:
         """How many of the worker's `active` requests to migrate away now: ceil(active x (score -
-        threshold)) while it is degraded and worse than its peers, once per `worker_cooldown_s`; all of them
-        while it is sick."""
+        threshold)) while it is degraded and worse than its peers, once per `worker_cooldown_s` (a sick
+        worker's requests are all moved by the engine client, not through this)."""
         h = self._workers.get(worker_id)
         if not self.cfg.enabled or h is None or active <= 0:
             return 0
-        if h.standing is Standing.SICK:
-            return active
         if h.standing is not Standing.DEGRADED or not h.outlier or now - h.last_eviction < self.cfg.worker_cooldown_s:
             return 0
         return min(active, math.ceil(active * (h.score.value - self.cfg.threshold)))
