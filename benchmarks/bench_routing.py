@@ -113,16 +113,20 @@ async def chats(url: str, model: str, args: argparse.Namespace) -> dict:
     }
 
 
-async def degrading(url: str, tok: GGUFTokenizer, model: str, args: argparse.Namespace, slo: SloConfig) -> dict:
+async def degrading(
+    url: str, tok: GGUFTokenizer, model: str, args: argparse.Namespace, slo: SloConfig, stop: float
+) -> dict:
     """Poisson arrivals at `--rate` per second for `--seconds` (open loop: a slow worker's requests do
-    not hold the arrivals back), every request waited for, while worker 1 slows down."""
+    not hold the arrivals back), every request waited for, while worker 1 slows down until it is
+    stopped `stop` of the time."""
     t = slo.targets(Priority.NORMAL)
     rng = random.Random(7)
     tasks: list[asyncio.Task[Result]] = []
+    period = 0.1  # the duty cycle's (DutyCycle's PERIOD_S)
     cycle = DutyCycle(
-        worker_pid(url, 1), lambda s: 0.0 if s < args.calm else 0.09 * min(1.0, (s - args.calm) / args.ramp)
+        worker_pid(url, 1), lambda s: 0.0 if s < args.calm else stop * period * min(1.0, (s - args.calm) / args.ramp)
     )
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     try:
         async with client() as c:
             next_at, n = 0.0, 0
@@ -151,13 +155,22 @@ async def degrading(url: str, tok: GGUFTokenizer, model: str, args: argparse.Nam
     ]
     migrations = httpx.get(url + "/admin/migrations").json()
     tpots = [r.tpot for r in complete if r.tpot is not None]
+    late = [r for r in complete if r.ttft is None or r.ttft * 1000 > t.ttft_ms.p99]
+    slow = [r for r in complete if (r.tpot or 0) * 1000 > t.tpot_ms.p99]
+    events = httpx.get(url + "/admin/health").json()["events"]
     return {
         "requests": len(results),
         "complete": len(complete),
         "slo_attainment": round(len(good) / max(1, len(results)), 4),
+        "ttft_misses": len(late),
+        "tpot_misses": len(slow),
         "tpot_p99_ms": round(1000 * pct(tpots, 99), 1) if tpots else None,
         "migrated_for_health": sum(1 for m in migrations if m["reason"] == "health"),
         "longest_stop_ms": round(1000 * cycle.longest, 1),
+        # What went wrong where, for people: each missed request (sent s, TTFT ms, TPOT ms) and the
+        # health events (seconds from the run's start).
+        "missed": [(round(r.sent, 1), round(1000 * (r.ttft or 0)), round(1000 * (r.tpot or 0))) for r in late + slow],
+        "health_events": [(round(e["at"] - wall0, 1), e["worker_id"], e["what"], e["reason"][:160]) for e in events],
     }
 
 
@@ -181,6 +194,12 @@ def main() -> None:
     p.add_argument("--ramp", type=float, default=30.0)
     p.add_argument("--model", default="")
     p.add_argument("--skip", choices=["chat", "degrading"], default=None)
+    p.add_argument("--arms", default=",".join(SCHEDULERS), help="which degrading-worker arms to run")
+    p.add_argument(
+        "--stops",
+        default="0.75,0.9",
+        help="how degraded worker 1 ends: the share of the time it is stopped, each a run",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "routing.json"))
     args = p.parse_args()
     model_path = args.model or default_model_path()
@@ -203,14 +222,16 @@ def main() -> None:
             1 - kv["later_turns_ttft_mean_ms"] / rr["later_turns_ttft_mean_ms"], 3
         )
     if args.skip != "degrading":
-        for mode, extra in SCHEDULERS.items():
-            server = serve(tmp, f"degrading-{mode}", extra, model_path)
-            try:
-                name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-                report["degrading"][mode] = asyncio.run(degrading(server.url, tok, name, args, slo))
-            finally:
-                server.stop()
-            print("health", mode, report["degrading"][mode], flush=True)
+        for stop in (float(x) for x in args.stops.split(",")):
+            runs = report["degrading"].setdefault(f"stopped {stop:.0%}", {})
+            for mode in args.arms.split(","):
+                server = serve(tmp, f"degrading-{stop}-{mode}", SCHEDULERS[mode], model_path)
+                try:
+                    name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+                    runs[mode] = asyncio.run(degrading(server.url, tok, name, args, slo, stop))
+                finally:
+                    server.stop()
+                print(f"stopped {stop:.0%}", mode, {k: v for k, v in runs[mode].items() if k != "health_events"})
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("chat", "degrading")}, indent=2))
 

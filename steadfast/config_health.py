@@ -59,6 +59,9 @@ class HealthConfig:
     trend_s: float = 10.0
     horizon_s: float = 10.0
     threshold: float = 0.6
+    # A degraded worker is healthy again only once its score is at or under this (hysteresis: a score
+    # hovering at the threshold does not flip the worker, and where new work goes, back and forth).
+    recover_score: float = 0.45
     weight_tpot: float = 0.30
     weight_queue: float = 0.25
     weight_kv: float = 0.25
@@ -95,6 +98,8 @@ class HealthConfig:
             raise ConfigError("health.baseline_s must be longer than health.recent_s")
         if not 0 < self.threshold < 1:
             raise ConfigError("health.threshold must be in (0, 1)")
+        if not 0 <= self.recover_score <= self.threshold:
+            raise ConfigError("health.recover_score must be in [0, health.threshold]")
         weights = (self.weight_tpot, self.weight_queue, self.weight_kv, self.weight_transport)
         if min(weights) < 0 or sum(weights) <= 0:
             raise ConfigError("health.weight_* must be >= 0, at least one positive")

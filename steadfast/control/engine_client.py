@@ -365,7 +365,7 @@ class EngineClient:
             if out.token_ids:
                 stamp = msg.at or now
                 if flight.last_worker == msg.worker_id:
-                    self.health.token_gap(msg.worker_id, stamp - flight.last_stamp, now)
+                    self.health.token_gap(msg.worker_id, out.request_id, stamp - flight.last_stamp, now)
                 flight.last_token, flight.last_stamp, flight.last_worker = now, stamp, msg.worker_id
                 if (source := self.registry.get(msg.worker_id)) is not None:
                     source.last_token_at = now
@@ -557,11 +557,11 @@ class EngineClient:
         """Sample every worker, score it, and act: a degraded worker's lowest-priority, least recently
         active requests migrate to the least loaded healthy worker with room (not moved again within
         the request cooldown); a sick worker's requests are retried elsewhere."""
-        open_gaps: dict[int, float] = {}
-        for f in self._flights.values():
+        waiting: dict[int, dict[str, float]] = {}
+        for rid, f in self._flights.items():
             if f.last_token and not f.mark.moving and f.last_worker == f.mark.owner:
-                open_gaps[f.mark.owner] = max(open_gaps.get(f.mark.owner, 0.0), now - f.last_token)
-        self.health.tick(self.registry, open_gaps, now, time.time())
+                waiting.setdefault(f.mark.owner, {})[rid] = now - f.last_token
+        self.health.tick(self.registry, waiting, now, time.time())
         cooldown = self.health.cfg.request_cooldown_s
         self._health_moved = {r: t for r, t in self._health_moved.items() if now - t < cooldown}
         for w in self.registry:

@@ -10,7 +10,7 @@ worker reports.
 - transport: the KV wire's resend rate and timed-out sessions.
 
 The score compares each signal's recent median with the worker's own baseline (the median of the
-samples before the recent window), so a worker that has always been noisy is not judged by its noise,
+older half of the samples before the recent window), so a worker that has always been noisy is not judged by its noise,
 only by getting worse. Pure: the engine client feeds it and acts on what it says.
 """
 
@@ -29,7 +29,7 @@ from steadfast.control.migration import Migrations
 from steadfast.control.workers import Liveness, WorkerHandle
 
 SAMPLES = 600  # per worker: ten minutes at the default 1 s interval, bounding memory
-GAPS = 50_000  # token gaps kept per worker for its TPOT p99 over the recent window
+GAPS = 50_000  # token gaps kept per worker (the recent window's; a bound on memory besides)
 EVENTS = 500  # health events kept for /admin/health
 TREND_TAU = 0.5  # how consistently TPOT must rise for its slope to count (Kendall's tau of the samples)
 # A degraded worker is acted on only while its recent TPOT is this many times its peers' (their median):
@@ -55,7 +55,7 @@ class Standing(enum.StrEnum):
 @dataclass
 class Sample:
     at: float
-    tpot_s: float | None  # p99 of the gaps between tokens seen from it in the interval (None: no decoding)
+    tpot_s: float | None  # TPOT p99 over its requests in the last two intervals (None: no decoding)
     queued: int
     kv_use: float
     sent: int  # KV wire messages sent since start
@@ -82,7 +82,7 @@ class HealthEvent:
 class WorkerHealth:
     worker_id: int
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=SAMPLES))
-    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=GAPS))  # (when, gap)
+    window: deque[tuple[float, str, float]] = field(default_factory=lambda: deque(maxlen=GAPS))  # (when, request, gap)
     failures: deque[float] = field(default_factory=deque)  # request-layer failures (monotonic times)
     standing: Standing = Standing.HEALTHY
     since: float = 0.0  # when the standing last changed
@@ -100,6 +100,23 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(0.99 * len(ordered)) - 1))]
 
 
+def tpot_p99(gaps: Iterable[tuple[float, str, float]], since: float, waiting: dict[str, float]) -> float | None:
+    """The p99 over requests of each one's time per output token since `since`: the gaps that ended
+    then, plus the time it has been `waiting` for its next token now (time, not a token: a stopped
+    worker sends none), over the tokens it got (at least one). A request's TPOT, as its SLO target is
+    about, is a mean: steadier than single gaps (whose p99 is a prefill step's spike), and it grows
+    with a slowdown in proportion. None when no request got or awaits a token."""
+    time_of: dict[str, float] = dict(waiting)
+    tokens: dict[str, int] = {}
+    for at, rid, gap in gaps:
+        if at > since:
+            time_of[rid] = time_of.get(rid, 0.0) + gap
+            tokens[rid] = tokens.get(rid, 0) + 1
+    if not time_of:
+        return None
+    return p99([spent / max(1, tokens.get(rid, 0)) for rid, spent in time_of.items()])
+
+
 def rising_slope(points: list[tuple[float, float]]) -> float:
     """The median of the slopes between every two points (Theil-Sen: a few outliers, a noisy worker's
     spikes, do not move it), counted only when the points rise consistently — Kendall's tau (pairs
@@ -115,9 +132,12 @@ def delta_score(samples: Iterable[Sample], now: float, cfg: HealthConfig) -> Sco
     """The worker's recent window against its baseline (see HealthConfig for the formula)."""
     items = list(samples)
     recent = [s for s in items if s.at > now - cfg.recent_s]
-    base = [s for s in items if now - cfg.baseline_s <= s.at <= now - cfg.recent_s]
-    if len(base) < cfg.min_baseline or not recent:
+    window = [s for s in items if now - cfg.baseline_s <= s.at <= now - cfg.recent_s]
+    if len(window) < cfg.min_baseline or not recent:
         return Score()
+    # The baseline is the older half of that window (at least `min_baseline` samples): a slowdown that
+    # began within the last baseline_s / 2 does not drag its own baseline up with it.
+    base = window[: max(cfg.min_baseline, len(window) // 2)]
     terms = {}
     tpot_recent = [s.tpot_s for s in recent if s.tpot_s is not None]
     tpot_base = [s.tpot_s for s in base if s.tpot_s is not None]
@@ -141,7 +161,7 @@ def delta_score(samples: Iterable[Sample], now: float, cfg: HealthConfig) -> Sco
     terms["queue"] = cfg.weight_queue * max(0.0, queue)
     kv = statistics.median(s.kv_use for s in recent) - statistics.median(s.kv_use for s in base)
     terms["kv"] = cfg.weight_kv * max(0.0, kv / cfg.kv_rise_full)
-    before = base[-1]
+    before = window[-1]
     sent, resent = recent[-1].sent - before.sent, recent[-1].resent - before.resent
     rate = resent / sent if sent > 0 else 0.0
     terms["transport"] = cfg.weight_transport * max(0.0, rate / cfg.resend_rate_full)
@@ -166,9 +186,9 @@ class HealthMonitor:
         self._workers.pop(worker_id, None)
 
     # --- what the router sees ------------------------------------------------------------------
-    def token_gap(self, worker_id: int, seconds: float, now: float) -> None:
+    def token_gap(self, worker_id: int, request_id: str, seconds: float, now: float) -> None:
         """A request on `worker_id` got its next token `seconds` after its previous one."""
-        self.of(worker_id).window.append((now, seconds))
+        self.of(worker_id).window.append((now, request_id, seconds))
 
     def failure(self, worker_id: int, request_id: str, why: str, now: float, wall: float) -> bool:
         """A request failed or stalled on `worker_id`; True when that makes the worker sick."""
@@ -197,23 +217,23 @@ class HealthMonitor:
             h.probe_request = request_id
 
     # --- judgement -----------------------------------------------------------------------------
-    def tick(self, workers: Iterable[WorkerHandle], open_gaps: dict[int, float], now: float, wall: float) -> None:
-        """One sample per worker: the token gaps seen since the last (and the longest a request of it has
-        been waiting for its next token now: a stopped worker sends none), its reported queue, KV use and
-        wire counts; then its score, layers and standing."""
+    def tick(
+        self, workers: Iterable[WorkerHandle], waiting: dict[int, dict[str, float]], now: float, wall: float
+    ) -> None:
+        """One sample per worker: its requests' TPOT p99 over the last two intervals (overlapping: a
+        sample of a few dozen tokens is noisy), counting how long each has been `waiting` for its next
+        token now (worker id -> request id -> seconds); its reported queue, KV use and wire counts; then
+        its score, layers and standing."""
         for w in workers:
             if w.dead:
                 self.forget(w.worker_id)
                 continue
             h, s = self.of(w.worker_id), w.status
-            # Over the last two intervals (overlapping): a p99 of a few dozen gaps is nearly their maximum,
-            # and a trend of those is mostly noise.
-            span = now - 2 * self.cfg.interval_s
-            gaps = [gap for at, gap in h.window if at > span] + (
-                [open_gaps[w.worker_id]] if w.worker_id in open_gaps else []
-            )
+            keep = now - max(self.cfg.recent_s, 2 * self.cfg.interval_s)
+            while h.window and h.window[0][0] <= keep:
+                h.window.popleft()
             if s is not None:
-                tpot = p99(gaps) if gaps else None
+                tpot = tpot_p99(h.window, now - 2 * self.cfg.interval_s, waiting.get(w.worker_id, {}))
                 sent, resent, timeouts = s.kv_messages_sent, s.kv_resends, s.kv_move_timeouts
                 h.samples.append(Sample(now, tpot, s.num_waiting, w.kv_use, sent, resent, timeouts))
             h.score = delta_score(h.samples, now, self.cfg)
@@ -238,11 +258,11 @@ class HealthMonitor:
         over = h.score.value > cfg.threshold
         if over and h.standing is Standing.HEALTHY:
             self._set(h, Standing.DEGRADED, f"score {h.score.value:.2f} > {cfg.threshold} ({h.score.terms})", now, wall)
-        elif not over and h.standing is Standing.DEGRADED:
+        elif h.score.value <= cfg.recover_score and h.standing is Standing.DEGRADED:
             # Healthy again once its own tokens say so; a worker emptied of work has none to say it with,
             # and is given work again only after the request cooldown (then measured afresh).
             if h.level is not None or now - max(h.since, h.last_eviction) >= cfg.request_cooldown_s:
-                self._set(h, Standing.HEALTHY, f"score {h.score.value:.2f} <= {cfg.threshold}", now, wall)
+                self._set(h, Standing.HEALTHY, f"score {h.score.value:.2f} <= {cfg.recover_score}", now, wall)
 
     def _layers(self, h: WorkerHealth, w: WorkerHandle, now: float, wall: float) -> None:
         cfg, s = self.cfg, w.status
@@ -343,20 +363,19 @@ class HealthMonitor:
         h.evicted += count
         self.events.append(HealthEvent(wall, worker_id, f"migrating {count} away", detail))
 
-    def tpot_p99(self, worker_id: int) -> float:
-        """The p99 of the gaps between tokens the router saw from the worker over the recent window (up to
-        its last sample); 0 without any."""
+    def recent_tpot_p99(self, worker_id: int) -> float:
+        """Its requests' TPOT p99 over the recent window up to its last sample (finished tokens only);
+        0 without any."""
         h = self.of(worker_id)
         if not h.samples:
             return 0.0
         last = h.samples[-1].at
-        values = [gap for at, gap in h.window if last - self.cfg.recent_s < at <= last]
-        return p99(values) if values else 0.0
+        return tpot_p99((g for g in h.window if g[0] <= last), last - self.cfg.recent_s, {}) or 0.0
 
     def view(self, worker_id: int) -> dict[str, object]:
         h = self.of(worker_id)
         return {
-            "tpot_p99_ms": round(1000 * self.tpot_p99(worker_id), 1),
+            "tpot_p99_ms": round(1000 * self.recent_tpot_p99(worker_id), 1),
             "standing": h.standing.value,
             "score": round(h.score.value, 3),
             "score_known": h.score.known,

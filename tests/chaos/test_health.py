@@ -1,17 +1,12 @@
 """Health detection through a real `steadfast serve` (two workers of one node, the small model, fp32).
 
-- A worker stopped and continued on a duty cycle that grows (SIGSTOP/SIGCONT from the test) is caught by
-  its delta-based score and its low-priority streams migrate away while its TPOT p99 (as the router sees
-  it) is still within the SLO; the same worker stopped on a random duty cycle of the same mean from the
-  start (a noisy worker, not a worsening one) has no request moved for its health.
-
 - A worker whose logits turn non-finite (its process alive and reporting) fails its requests: each is
   retried once on the other worker and completes token-exactly; the worker is judged sick, shown so by
   `/health`, and takes no new request.
 - A worker stopped and continued on a duty cycle that grows (SIGSTOP/SIGCONT from the test) is caught by
-  its delta-based score and its low-priority streams migrate away before their token gaps break the TPOT
-  SLO; the same worker stopped on a random duty cycle of the same mean from the start (a noisy worker,
-  not a worsening one) has no request moved for its health.
+  its delta-based score and its low-priority stream migrates away while its TPOT p99 (as the router sees
+  it) is still within the SLO; the same worker stopped on a random duty cycle of the same mean from the
+  start (a noisy worker, not a worsening one) has no request moved for its health.
 """
 
 from __future__ import annotations
@@ -138,12 +133,12 @@ def test_a_worker_whose_requests_fail_is_taken_out_and_they_complete_elsewhere(
 HEALTH = "{interval_s: 0.5, recent_s: 3, baseline_s: 30, min_baseline: 6, worker_cooldown_s: 1, request_cooldown_s: 60}"
 PERIOD_S = 0.1
 LONG = 1800
-# This deployment's TPOT SLO. With the seed's weights and threshold a slowdown seen in TPOT alone is
-# caught when the TPOT p99 (projected 10 s ahead) reaches 3x the worker's own baseline, so a worker is
-# drained before it breaks its SLO only where the SLO is over ~3x its healthy TPOT p99 — as on a GPU
-# (p99 ~20 ms, target 80 ms). Here two workers, the router and the test's clients share two cores and a
-# healthy worker's own token gaps reach 45-60 ms at their p99: the SLO is set to 200 ms.
-SLO_TPOT_S = 0.200
+# This deployment's TPOT SLO (a request's time per output token, p99 over requests). With the seed's
+# weights and threshold a slowdown seen in TPOT alone is caught when its TPOT (projected 10 s ahead)
+# reaches 3x the worker's own baseline, so a worker is drained before it breaks its SLO where the SLO is
+# over ~3x its healthy TPOT — as on a GPU (~20 ms, target 80 ms). Here one stream a worker of the small
+# model takes 19-25 ms a token (two workers, the router and the test's clients on two cores): 100 ms.
+SLO_TPOT_S = 0.100
 
 
 class DutyCycle:
@@ -186,7 +181,8 @@ def tag(request_id: str) -> str:
 
 
 class HealthLog:
-    """Worker 1's TPOT p99 as the router sees it (`/admin/health`), polled every 0.2 s on a thread."""
+    """Worker 1's TPOT p99 over its recent window as the router sees it (`/admin/health`), polled every
+    0.2 s on a thread."""
 
     def __init__(self, url: str) -> None:
         self.url, self.points = url, []
@@ -206,17 +202,14 @@ class HealthLog:
         self.thread.join()
 
 
-# "growing" is left out of the suite: it failed 1 of 4 runs after ba32b2e (flaky, issue 18 open);
-# its branch below is kept for the next session to make robust and put back. See the stop note of 2026-12-03.
-@pytest.mark.parametrize("profile", ["jitter"])
+@pytest.mark.parametrize("profile", ["growing", "jitter"])
 def test_a_worker_slowing_down_is_drained_of_low_priority_work_and_a_noisy_one_is_not(
     tmp_path, small_model_path, small_config, small_model, make_engine, profile
 ):
     """Two long greedy streams, a high one on worker 0 and a low one on worker 1 (one stream a worker: a
-    healthy token gap well below the SLO on this machine). Worker 1 is stopped on a duty cycle: `growing`
-    from 0 to 90 % of each 100 ms over 24 s after a 6 s calm start (at 90 % it
-    computes at a tenth of its speed: token gaps far past the TPOT SLO); `jitter` a random share with the
-    same mean, from the start."""
+    healthy TPOT well below the SLO on this machine). Worker 1 is stopped on a duty cycle: `growing` from
+    0 to 90 % of each 100 ms over 24 s after a 6 s calm start (at 90 % it computes at a tenth of its
+    speed: a TPOT far past the SLO); `jitter` a random share with the same mean, from the start."""
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} (long {i})" for i in range(2)]
     priorities = ["high", "low"]
     tokens = LONG if profile == "growing" else LONG // 2  # a noisy worker: a baseline and a while of it
