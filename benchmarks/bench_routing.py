@@ -11,13 +11,14 @@ placement alone). The arms run one after another, each on a fresh server.
    TTFT mean and p99 over all turns and over turns after the first (the first finds nothing cached
    under either policy), and the router's prefix hit rate (prompt tokens found cached on the chosen
    worker, by its index of the workers' cache events).
-2. One worker degrading, the global scheduler as shipped (health checks, KV-aware routing) vs without it
-   (`health.enabled: false`, `routing.policy: least_loaded`, the placement before it; and `blind`:
-   round-robin, no health checks): Poisson arrivals at
-   `--rate` per second for `--seconds` (prompts of 64 tokens, 96 output tokens, greedy); after
-   `--calm` seconds worker 1 is stopped (SIGSTOP/SIGCONT) for a share of every 100 ms that grows to 90 %
-   over `--ramp` seconds and stays there. SLO attainment: the share of requests with TTFT within the TTFT
-   p99 target and mean time per output token within the TPOT p99 target (the seed's 500 ms and 80 ms).
+2. One worker degrading, per arm: `on` the global scheduler as shipped (health checks, KV-aware
+   routing); `routing_only` its routing half alone (`health.enabled: false`); `off` the placement before
+   it (no health checks, fewest requests in flight); `blind` round-robin, no health checks. Poisson
+   arrivals at `--rate` per second for `--seconds` (prompts of 64 tokens, 96 output tokens, greedy);
+   after `--calm` seconds worker 1 is stopped (SIGSTOP/SIGCONT) for a share of every 100 ms that grows
+   over `--ramp` seconds to each of `--stops` (a run each: 75 % is a worker at a quarter of its speed,
+   90 % at a tenth) and stays there. SLO attainment: the share of requests with TTFT within the TTFT p99
+   target and mean time per output token within the TPOT p99 target (the seed's 500 ms and 80 ms).
 
     python benchmarks/bench_routing.py
 """
@@ -53,10 +54,10 @@ BASE = (
     "degradation: {enabled: false, max_queued_high: 100000, max_queued_normal: 100000, max_queued_low: 100000}\n"
 )
 WORDS = TEXT.split()
-# The global scheduler as shipped (health checks, KV-aware routing) and without it: no health checks,
-# placement by fewest requests in flight (the release before it).
+# The global scheduler as shipped, its routing half alone, the placement before it, and none.
 SCHEDULERS = {
     "on": "health: {enabled: true}\nrouting: {policy: kv_aware}\n",
+    "routing_only": "health: {enabled: false}\nrouting: {policy: kv_aware}\n",  # the health half off
     "off": "health: {enabled: false}\nrouting: {policy: least_loaded}\n",
     "blind": "health: {enabled: false}\nrouting: {policy: round_robin}\n",  # blind to load and health alike
 }
@@ -169,7 +170,11 @@ async def degrading(
         "longest_stop_ms": round(1000 * cycle.longest, 1),
         # What went wrong where, for people: each missed request (sent s, TTFT ms, TPOT ms) and the
         # health events (seconds from the run's start).
-        "missed": [(round(r.sent, 1), round(1000 * (r.ttft or 0)), round(1000 * (r.tpot or 0))) for r in late + slow],
+        "missed": [
+            (round(r.sent, 1), round(1000 * (r.ttft or 0)), round(1000 * (r.tpot or 0)))
+            for r in complete
+            if id(r) in {id(x) for x in late + slow}
+        ],
         "health_events": [(round(e["at"] - wall0, 1), e["worker_id"], e["what"], e["reason"][:160]) for e in events],
     }
 

@@ -18,9 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from steadfast.control.admin_dashboard import add_dashboard_routes
 from steadfast.control.admin_health import add_health_routes
 from steadfast.control.admin_ladder import add_degradation_routes
 from steadfast.control.admin_moves import add_migration_routes
+from steadfast.control.dashboard import Dashboard
 from steadfast.control.engine_client import EngineDeadError
 from steadfast.control.errors import (
     APIError,
@@ -89,7 +91,7 @@ def without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI:
+def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard: Dashboard | None = None) -> FastAPI:
     app = FastAPI(title="Steadfast", version="0.1.0", responses=ERROR_RESPONSES)
     app.add_middleware(Guard, cfg=guard or GuardConfig())
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -223,6 +225,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None) -> FastAPI
     add_migration_routes(app, ctx)
     add_degradation_routes(app, ctx)
     add_health_routes(app, ctx)
+    add_dashboard_routes(app, dashboard or Dashboard(ctx))
 
     @app.get("/admin/takeovers")
     async def admin_takeovers() -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ from steadfast.control.placement import DECODE_ROLES, SERVE_ROLES, Placement
 from steadfast.control.recovery import Recovery, Takeover
 from steadfast.control.resume import Resumption
 from steadfast.control.routing import Router
+from steadfast.control.timeline import EventKind, Timeline
 from steadfast.control.workers import Liveness, WorkerHandle, WorkerRegistry
 from steadfast.protocol import (
     AbortRequest,
@@ -112,9 +113,11 @@ class EngineClient:
             to_supervisor = self.ctx.socket(zmq.PUSH)
             to_supervisor.setsockopt(zmq.LINGER, 0)
             to_supervisor.connect(supervisor)
+        self.timeline = Timeline()  # joins, deaths, retirements, drains, rollouts (control/timeline.py)
         self.maintenance = Maintenance(
             self.registry, self.migrations, self._owned, self.migrate, self._send, self._spawn, to_supervisor
         )
+        self.maintenance.timeline = self.timeline
         self.on_handoff: Callable[[Handoff], None] | None = None  # metrics hook
         self.on_migration: Callable[[MigrationRecord], None] | None = None  # metrics hook: one that ended
 
@@ -324,13 +327,19 @@ class EngineClient:
         elif isinstance(msg, WorkerDied):
             w = self.registry.get(msg.worker_id)
             if w is not None and not w.dead:
+                moving = sum(1 for f in self._flights.values() if f.mark.owner == msg.worker_id)
                 if msg.exit_code == 0:
                     log.info("worker %d (pid %d) retired", msg.worker_id, msg.pid)
+                    self.timeline.note(EventKind.RETIRE, f"worker {msg.worker_id} retired", worker=msg.worker_id)
                 else:
                     log.error("worker %d (pid %d) died with code %d", msg.worker_id, msg.pid, msg.exit_code)
+                    why = f"pid {msg.pid} exit code {msg.exit_code}; lease fenced, {moving} request(s) to take over"
+                    self.timeline.note(EventKind.CRASH, f"worker {msg.worker_id} died", why, msg.worker_id)
                 await self._lost(w)
         elif self.registry.get(msg.worker_id) is None:  # WorkerJoined
             log.info("worker %d joined as %s at %s", msg.worker_id, msg.role, msg.address)
+            why = f"replacing worker {msg.like}" if msg.like >= 0 else ""
+            self.timeline.note(EventKind.JOIN, f"worker {msg.worker_id} joined as {msg.role}", why, msg.worker_id)
             w = self._add_worker(msg.worker_id, msg.address, msg.role)
             w.joining = True
             if msg.like >= 0:

@@ -27,6 +27,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = ("/health", "/metrics")
+# The dashboard's page, script and style: code only, no data (that is /admin/dashboard, behind the admin
+# check), so a browser, which cannot send a key with a page it opens, may load them.
+STATIC_PATHS = ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css")
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def refusal(scope: Scope, cfg: GuardConfig) -> APIError | None:
                 code="admin_forbidden",
             )
         return None
-    if path in OPEN_PATHS and cfg.open_metrics:
+    if path in OPEN_PATHS and cfg.open_metrics or path in STATIC_PATHS:
         return None
     if cfg.api_key and not _same(token, cfg.api_key):
         message = "Incorrect API key provided." if token else "You didn't provide an API key (Authorization: Bearer)."

@@ -15,6 +15,7 @@ import uvicorn
 from steadfast import env
 from steadfast.config import config_from_dict
 from steadfast.control.api import create_app
+from steadfast.control.dashboard import Dashboard
 from steadfast.control.degrade import Degradation, Sources
 from steadfast.control.engine_client import EngineClient
 from steadfast.control.guard import GuardConfig
@@ -88,7 +89,9 @@ async def serve(
     guard = GuardConfig(
         srv.api_key, srv.admin_api_key, srv.open_metrics, srv.max_body_bytes, srv.max_connections, shutdown
     )
-    app = create_app(ctx, guard)
+    dashboard = Dashboard(ctx)
+    sampler = asyncio.create_task(dashboard.run())
+    app = create_app(ctx, guard, dashboard)
     if cfg.server.router_nice:
         # Only now: a router restarted on a loaded machine must come up at full priority, because its
         # clients are waiting to resume; serving, it yields the CPU to the workers.
@@ -103,7 +106,7 @@ async def serve(
     try:
         await server.serve()
     finally:
-        for task in (drain, ladder):
+        for task in (drain, ladder, sampler):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

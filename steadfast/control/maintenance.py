@@ -22,6 +22,7 @@ from steadfast import protocol
 from steadfast.control.delivery import Flight
 from steadfast.control.migration import MigrationError, MigrationReason, MigrationRecord, Migrations
 from steadfast.control.rollout import Rollout, RolloutState, RolloutStep
+from steadfast.control.timeline import EventKind, Timeline
 from steadfast.control.workers import WorkerHandle, WorkerRegistry
 from steadfast.protocol import Retire, StartWorker
 
@@ -52,6 +53,7 @@ class Maintenance:
         self._replacements: dict[int, int] = {}  # worker → the worker started to replace it
         self.rollout: Rollout | None = None
         self.startup_timeout_s = 180.0
+        self.timeline = Timeline()  # the engine client's, once it is made
 
     # --- drain ---------------------------------------------------------------------------------
     def draining(self, worker_id: int) -> bool:
@@ -66,6 +68,8 @@ class Maintenance:
             raise MigrationError(f"no worker {worker_id} is alive", 404)
         w.draining = True
         if not self.draining(worker_id):
+            n = len(self._owned(worker_id))
+            self.timeline.note(EventKind.DRAIN, f"draining worker {worker_id}", f"{n} request(s) to move", worker_id)
             self._drains[worker_id] = asyncio.ensure_future(self._drain(w))
 
     async def _drain(self, w: WorkerHandle) -> None:
@@ -75,6 +79,8 @@ class Maintenance:
             owned = self._owned(w.worker_id)
             if not owned:
                 log.warning("worker %d drained in %.1fs; it retires", w.worker_id, time.monotonic() - t0)
+                what = f"worker {w.worker_id} drained in {time.monotonic() - t0:.1f}s"
+                self.timeline.note(EventKind.DRAIN, what, "it retires", w.worker_id)
                 await self._send(w, Retire("drained"))
                 return
             for flight in self.migrations.victims(owned)[: self.migrations.slots]:
@@ -99,6 +105,7 @@ class Maintenance:
             raise MigrationError("a rollout is running already", 409)
         workers = sorted(w.worker_id for w in self.registry if not w.dead and not w.leaving)
         self.rollout = Rollout(workers)
+        self.timeline.note(EventKind.ROLLOUT, "rollout started", f"workers {workers} to replace in turn")
         self._spawn(self._roll(self.rollout))
         return self.rollout
 
@@ -124,11 +131,14 @@ class Maintenance:
                 if gone is None:
                     raise TimeoutError(f"worker {old} did not retire")
                 row["step"], row["seconds"] = RolloutStep.RETIRED, time.monotonic() - row["t0"]
+                self.timeline.note(EventKind.ROLLOUT, f"worker {old} replaced by worker {new}", worker=old)
             r.end(RolloutState.DONE)
             log.warning("rollout done: %d workers replaced in %.1fs", len(r.steps), r.seconds)
+            self.timeline.note(EventKind.ROLLOUT, f"rollout done: {len(r.steps)} worker(s) in {r.seconds:.1f}s")
         except Exception as exc:  # the rollout stops where it is; every worker left serves on
             log.error("rollout failed: %s", exc)
             r.end(RolloutState.FAILED, str(exc))
+            self.timeline.note(EventKind.ROLLOUT, "rollout failed", str(exc))
 
     def _ready_replacement(self, old: int) -> int | None:
         new = self._replacements.get(old)

@@ -35,6 +35,7 @@ class Takeover:
     at_token: int
     started: float
     first_token_s: float | None = None
+    wall: float = field(default_factory=time.time)  # when, for people
     route: Route = Route.NONE
     adopted_tokens: int = 0
     recomputed_tokens: int = 0

@@ -296,3 +296,34 @@ def test_metrics_expose_latency_and_load(server):
         "steadfast_generation_tokens_per_second",
     ):
         assert name in text, name
+
+
+def test_the_dashboard_serves_its_page_and_the_live_picture(server, client, model):
+    page = httpx.get(server.url + "/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in page.headers["content-security-policy"]  # nothing from elsewhere runs
+    assert '<script src="/dashboard/dashboard.js"' in page.text and "http" not in page.text.split("<body>")[1]
+    for asset, kind in (("dashboard.js", "text/javascript"), ("dashboard.css", "text/css")):
+        r = httpx.get(f"{server.url}/dashboard/{asset}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind) and len(r.text) > 500
+    assert httpx.get(server.url + "/dashboard/nothing.js").status_code == 404
+    client.completions.create(model=model, prompt="Count:", max_tokens=24, extra_body={"ignore_eos": True})
+    time.sleep(2.5)  # two samples of the dashboard's once-a-second series after the tokens came
+    s = httpx.get(server.url + "/admin/dashboard").json()
+    assert s["model"] == model and 0 <= s["level"]["level"] <= 5 and s["level"]["action"] and s["level"]["mode"] == "auto"
+    assert set(s["slo"]) == {"high", "normal", "low"}
+    normal = s["slo"]["normal"]
+    assert normal["target_ms"]["ttft"]["p99"] > 0 and normal["observed_ms"]["ttft_p99"] > 0
+    assert any(p["tokens_per_s"] > 0 for p in s["series"]), s["series"][-5:]
+    assert {w["id"] for w in s["workers"]} == {w["id"] for w in workers(server) if w["state"] != "dead"}
+    assert all(0 <= w["kv_use"] <= 1 and w["standing"] == "healthy" for w in s["workers"])
+    times = [e["at"] for e in s["events"]]
+    assert times == sorted(times) and all(t <= s["now"] for t in times)
+    # every level change of the ladder's history is on the timeline
+    changes = [e for e in s["events"] if e["kind"] == "level"]
+    assert len(changes) == len(s["level"]["history"]) and all(" -> L" in e["what"] for e in changes)
+    later = httpx.get(server.url + "/admin/dashboard", params={"since": s["now"]}).json()
+    assert all(p["at"] > s["now"] for p in later["series"]) and len(later["series"]) <= 2
+    for bad in ("-1", "nan", "inf", "soon"):
+        r = httpx.get(server.url + "/admin/dashboard", params={"since": bad})
+        assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)

@@ -50,6 +50,17 @@ def test_keys_guard_their_routes():
     assert status(scope("/metrics", "10.1.2.3", "user-key"), closed) == 0
 
 
+def test_the_dashboard_page_is_open_and_its_data_is_admin_only():
+    cfg = GuardConfig(api_key="user-key", admin_api_key="admin-key", open_metrics=False)
+    for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"):
+        assert status(scope(path, "10.1.2.3"), cfg) == 0  # code only: a browser cannot send a key for a page
+    assert status(scope("/dashboard/../admin/workers", "10.1.2.3"), cfg) == 401  # only those three paths
+    assert status(scope("/dashboard/other.js", "10.1.2.3"), cfg) == 401
+    assert status(scope("/admin/dashboard", "10.1.2.3", "user-key"), cfg) == 401
+    assert status(scope("/admin/dashboard", "10.1.2.3", "admin-key"), cfg) == 0
+    assert status(scope("/admin/dashboard", "10.1.2.3"), GuardConfig()) == 403
+
+
 def test_tokenizing_runs_off_the_event_loop():
     ctx = ServingContext(None, None, "m", 10, 16, None)  # type: ignore[arg-type]
     seen = []
