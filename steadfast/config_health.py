@@ -17,6 +17,8 @@ class RoutingPolicy(enum.StrEnum):
 
 @dataclass(frozen=True)
 class RoutingConfig:
+    # kv_aware: where the prompt's prefix is cached, weighed against load (predicted TTFT); least_loaded:
+    # fewest requests in flight; round_robin.
     policy: str = RoutingPolicy.KV_AWARE.value
     # Cached block names the router keeps per worker (from the workers' cache events); past it a
     # worker's index is rebuilt from its next full report.

@@ -13,8 +13,8 @@ from steadfast.protocol import Priority
 class Percentiles:
     """Targets in milliseconds for the median and the 99th percentile."""
 
-    p50: float
-    p99: float
+    p50: float  # ms, the median's target
+    p99: float  # ms, the 99th percentile's target
 
     def check(self, where: str) -> None:
         if not 0 < self.p50 <= self.p99:
@@ -23,22 +23,22 @@ class Percentiles:
 
 @dataclass(frozen=True)
 class TtftSlo(Percentiles):
-    p50: float = 200.0
-    p99: float = 500.0
+    p50: float = 200.0  # time to first token, ms: median target
+    p99: float = 500.0  # time to first token, ms: 99th percentile target
 
 
 @dataclass(frozen=True)
 class TpotSlo(Percentiles):
-    p50: float = 30.0
-    p99: float = 80.0
+    p50: float = 30.0  # a request's mean time per output token, ms: median target
+    p99: float = 80.0  # a request's mean time per output token, ms: 99th percentile target
 
 
 @dataclass(frozen=True)
 class PercentilesOverride:
     """A priority's own targets; 0 keeps the service-wide one."""
 
-    p50: float = 0.0
-    p99: float = 0.0
+    p50: float = 0.0  # this priority's own median target, ms (0: the service-wide one)
+    p99: float = 0.0  # this priority's own 99th percentile target, ms (0: the service-wide one)
 
     def over(self, base: Percentiles) -> Percentiles:
         return Percentiles(self.p50 or base.p50, self.p99 or base.p99)

@@ -11,8 +11,8 @@ RECOVERY_MODES = ("ledger_first", "rebuild", "auto")
 
 @dataclass(frozen=True)
 class LeaseConfig:
-    renew_interval_ms: int = 500
-    lease_timeout_ms: int = 5000
+    renew_interval_ms: int = 500  # how often a worker renews its lease with its pool (its heartbeat)
+    lease_timeout_ms: int = 5000  # a lease not renewed this long expires: the worker is fenced (>= 3x renew)
     # Fencing epochs: every ledger write names its epoch and a stale one is refused.
     version_check: bool = True
     # The lease is renewed only while the worker's engine loop goes round: one silent this long (a
@@ -38,9 +38,9 @@ class LeaseConfig:
 
 @dataclass(frozen=True)
 class LedgerConfig:
-    external_ledger: bool = True
-    snapshot_interval_steps: int = 128
-    recovery_mode: str = "ledger_first"
+    external_ledger: bool = True  # blocks and request checkpoints in the pool's ledger (takeover from adopted KV)
+    snapshot_interval_steps: int = 128  # decode steps between a request's checkpoints in the ledger
+    recovery_mode: str = "ledger_first"  # ledger_first: adopt the dead worker's KV, else recompute; or recompute
     # The ledger's URL (sqlite:///path/to/ledger.db; see steadfast.kv.ledger_url); with two nodes on
     # one host the second's is derived from it. Empty = a SQLite file in the server's run directory.
     ledger_url: str = ""

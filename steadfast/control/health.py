@@ -259,9 +259,12 @@ class HealthMonitor:
         if over and h.standing is Standing.HEALTHY:
             self._set(h, Standing.DEGRADED, f"score {h.score.value:.2f} > {cfg.threshold} ({h.score.terms})", now, wall)
         elif h.score.value <= cfg.recover_score and h.standing is Standing.DEGRADED:
-            # Healthy again once its own tokens say so; a worker emptied of work has none to say it with,
-            # and is given work again only after the request cooldown (then measured afresh).
-            if h.level is not None or now - max(h.since, h.last_eviction) >= cfg.request_cooldown_s:
+            # Healthy again once its own tokens say so, over a whole recent window since it was judged or
+            # last evicted from (a few good samples of the one request left on it are not a recovery); a
+            # worker emptied of work has none to say it with, and is given work again only after the
+            # request cooldown (then measured afresh).
+            quiet = now - max(h.since, h.last_eviction)
+            if (h.level is not None and quiet >= cfg.recent_s) or quiet >= cfg.request_cooldown_s:
                 self._set(h, Standing.HEALTHY, f"score {h.score.value:.2f} <= {cfg.recover_score}", now, wall)
 
     def _layers(self, h: WorkerHealth, w: WorkerHandle, now: float, wall: float) -> None:

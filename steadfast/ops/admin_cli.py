@@ -18,7 +18,7 @@ class AdminError(RuntimeError):
     pass
 
 
-def _call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+def call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
     key = env.admin_api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
@@ -33,12 +33,12 @@ def _call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any]
 
 
 def _worker(args: argparse.Namespace, worker_id: int) -> dict[str, Any] | None:
-    rows = _call(args, "GET", "/admin/workers")
+    rows = call(args, "GET", "/admin/workers")
     return next((w for w in rows if w["id"] == worker_id), None)  # type: ignore[union-attr]
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    answer = _call(args, "POST", f"/admin/workers/{args.worker}/drain")
+    answer = call(args, "POST", f"/admin/workers/{args.worker}/drain")
     print(f"draining worker {args.worker}: {answer['requests']} requests to migrate", flush=True)
     if args.no_wait:
         return 0
@@ -51,17 +51,17 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"to": args.to, "mode": args.mode}
-    print(json.dumps(_call(args, "POST", f"/admin/requests/{args.request_id}/migrate", body), indent=2))
+    print(json.dumps(call(args, "POST", f"/admin/requests/{args.request_id}/migrate", body), indent=2))
     return 0
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    state = _call(args, "POST", "/admin/rollout")
+    state = call(args, "POST", "/admin/rollout")
     print(f"rolling restart of workers {state['workers']}", flush=True)
     seen = 0
     while state["state"] == "running":
         time.sleep(0.5)
-        state = _call(args, "GET", "/admin/rollout")
+        state = call(args, "GET", "/admin/rollout")
         for step in state["steps"][seen:]:
             if step["step"] == "retired":
                 print(f"  worker {step['old']} → worker {step['new']} ({step['seconds']:.1f}s)", flush=True)
@@ -74,20 +74,25 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 def cmd_degrade(args: argparse.Namespace) -> int:
     if args.level is None:
-        state = _call(args, "GET", "/admin/degradation")
+        state = call(args, "GET", "/admin/degradation")
     else:
         level: int | str = "auto" if args.level == "auto" else int(args.level)
-        state = _call(args, "POST", "/admin/degradation", {"level": level})
+        state = call(args, "POST", "/admin/degradation", {"level": level})
     print(f"L{state['level']} ({state['mode']}): {state['action']}; {state['reason']}")
     for name, p in state["priorities"].items():
         print(f"  {name:6} admission {p['admission']}; speculative {p['speculative']}; shortened {p['shortened']}")
     return 0
 
 
+def admin_options(p: argparse.ArgumentParser) -> None:
+    """The options of every command that calls a running server's admin routes (`run` reports their errors)."""
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+    p.set_defaults(admin=True)
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
-        p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+    common = admin_options
 
     drain = sub.add_parser("drain", help="migrate a worker's requests to others, then retire it")
     common(drain)

@@ -1,5 +1,6 @@
 """The `steadfast` command: `serve` runs the server, `generate` prints one completion in-process;
-`drain`, `migrate`, `rollout` and `degrade` call a running server's admin routes (ops/admin_cli.py)."""
+`drain`, `migrate`, `rollout`, `degrade` and `status` call a running server's admin routes (ops/admin_cli.py,
+ops/status_cli.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from steadfast.config import Config, ConfigError, load_config
 from steadfast.ipc import setup_logging
 from steadfast.model.gguf_meta import ModelLoadError
-from steadfast.ops import admin_cli
+from steadfast.ops import admin_cli, status_cli
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -116,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     gen.set_defaults(func=cmd_generate)
     admin_cli.add_commands(sub)
+    status_cli.add_command(sub)
 
     args = parser.parse_args(argv)
     setup_logging("steadfast")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if args.func.__module__ == admin_cli.__name__:
+    if getattr(args, "admin", False):
         return admin_cli.run(args.func, args)
     try:
         return int(args.func(args))

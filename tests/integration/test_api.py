@@ -310,7 +310,9 @@ def test_the_dashboard_serves_its_page_and_the_live_picture(server, client, mode
     client.completions.create(model=model, prompt="Count:", max_tokens=24, extra_body={"ignore_eos": True})
     time.sleep(2.5)  # two samples of the dashboard's once-a-second series after the tokens came
     s = httpx.get(server.url + "/admin/dashboard").json()
-    assert s["model"] == model and 0 <= s["level"]["level"] <= 5 and s["level"]["action"] and s["level"]["mode"] == "auto"
+    assert (
+        s["model"] == model and 0 <= s["level"]["level"] <= 5 and s["level"]["action"] and s["level"]["mode"] == "auto"
+    )
     assert set(s["slo"]) == {"high", "normal", "low"}
     normal = s["slo"]["normal"]
     assert normal["target_ms"]["ttft"]["p99"] > 0 and normal["observed_ms"]["ttft_p99"] > 0
@@ -327,3 +329,17 @@ def test_the_dashboard_serves_its_page_and_the_live_picture(server, client, mode
     for bad in ("-1", "nan", "inf", "soon"):
         r = httpx.get(server.url + "/admin/dashboard", params={"since": bad})
         assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)
+
+
+def test_status_prints_the_same_picture_in_the_terminal(server, capsys):
+    from steadfast.ops.cli import main
+
+    assert main(["status", "--url", server.url, "--events", "5"]) == 0
+    out = capsys.readouterr().out
+    s = httpx.get(server.url + "/admin/dashboard").json()
+    assert f"L{s['level']['level']}" in out and s["model"] in out
+    for heading in ("Latency, ms", "Workers", "migrations:", "takeovers:", "Timeline (last 5)"):
+        assert heading in out, out
+    assert all(f"│ {w['id']} " in out for w in s["workers"]), out
+    assert main(["status", "--url", "http://127.0.0.1:9"]) == 1  # nobody there: a clear error, not a trace
+    assert "cannot reach" in capsys.readouterr().err
