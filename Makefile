@@ -11,7 +11,8 @@ PYTEST_ARGS ?=
 
 bootstrap: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/system_packages.sh
+	bash scripts/system_packages.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU wheel of torch lies on these machines; pinning it keeps pip from pulling a CUDA build.

@@ -25,6 +25,11 @@ def log_level() -> str:
     return os.environ.get("STEADFAST_LOG_LEVEL", "INFO").upper()
 
 
+def log_format() -> str:
+    """STEADFAST_LOG_FORMAT: "json" for one JSON object a line, else text (the default)."""
+    return "json" if os.environ.get("STEADFAST_LOG_FORMAT", "").strip().lower() == "json" else "text"
+
+
 def transfer_fault_source(cfg: TransferConfig) -> Callable[[], str] | None:
     """The KV transfer fault drill's spec text, asked for at the start of every transfer: the faults
     file's content (missing file: no faults) when one is named, else the `faults` spec; the environment

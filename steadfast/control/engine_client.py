@@ -39,6 +39,7 @@ from steadfast.control.resume import Resumption
 from steadfast.control.routing import Router
 from steadfast.control.timeline import EventKind, Timeline
 from steadfast.control.workers import Liveness, WorkerHandle, WorkerRegistry
+from steadfast.ipc import about
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
@@ -357,7 +358,12 @@ class EngineClient:
             verdict = flight.mark.accept(out, msg.worker_id)
             if verdict is Verdict.MISMATCH:
                 self.migrations.mismatches += 1
-                log.error("request %s: token %d differs between its old and new owner", out.request_id, out.index)
+                log.error(
+                    "request %s: token %d differs between its old and new owner",
+                    out.request_id,
+                    out.index,
+                    extra=about(out.request_id),
+                )
             if verdict in (Verdict.DUPLICATE, Verdict.GAP):
                 log.warning(
                     "request %s: dropped output at index %d, client has %d tokens",
@@ -400,10 +406,19 @@ class EngineClient:
         if self.on_handoff is not None:
             self.on_handoff(h)
         if h.error and h.fallback is not Fallback.RECOMPUTE:
-            log.warning("request %s: KV not handed to %d (%s); decoded on %d", rid, h.to_worker, h.error, from_worker)
+            log.warning(
+                "request %s: KV not handed to %d (%s); decoded on %d",
+                rid,
+                h.to_worker,
+                h.error,
+                from_worker,
+                extra=about(rid),
+            )
             return
         if h.error:  # every transfer path failed: the decode worker computes the prompt itself
-            log.warning("request %s: KV transfer to %d failed (%s); it recomputes", rid, h.to_worker, h.error)
+            log.warning(
+                "request %s: KV transfer to %d failed (%s); it recomputes", rid, h.to_worker, h.error, extra=about(rid)
+            )
         await self._switch(flight, from_worker, h)
 
     async def _switch(self, flight: Flight, from_worker: int, h: Handoff) -> None:
@@ -512,7 +527,9 @@ class EngineClient:
         if from_worker != flight.mark.owner or flight.mark.moving:
             return  # no longer its request (recovered meanwhile): nothing moved that counts
         if h.error:
-            log.info("request %s: not migrated from %d to %d (%s)", rid, from_worker, h.to_worker, h.error)
+            log.info(
+                "request %s: not migrated from %d to %d (%s)", rid, from_worker, h.to_worker, h.error, extra=about(rid)
+            )
             self._ended(record)
             return
         log.info(
@@ -603,7 +620,9 @@ class EngineClient:
         now = time.monotonic()
         if out is not None:
             why = out.error or "error"
-            log.warning("request %s failed on worker %d (%s): retrying it elsewhere", rid, worker_id, why)
+            log.warning(
+                "request %s failed on worker %d (%s): retrying it elsewhere", rid, worker_id, why, extra=about(rid)
+            )
             if self.health.failure(worker_id, rid, why, now, time.time()):
                 log.error("worker %d is sick: out of rotation, its requests move", worker_id)
         flight.retried = True
@@ -648,7 +667,13 @@ class EngineClient:
                 continue
             rid = flight.add.request_id
             quiet = now - flight.progress
-            log.error("request %s received no token for %.0fs on worker %d: moving it", rid, quiet, mark.owner)
+            log.error(
+                "request %s received no token for %.0fs on worker %d: moving it",
+                rid,
+                quiet,
+                mark.owner,
+                extra=about(rid),
+            )
             if stalled and self.health.failure(mark.owner, rid, f"no token for {quiet:.0f}s", now, time.time()):
                 log.error("worker %d is sick: out of rotation, its requests move", mark.owner)
             await self._move_off(flight, f"it received no token for {quiet:.0f}s and no other worker could take it")

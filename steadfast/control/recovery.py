@@ -18,6 +18,7 @@ from steadfast.config import TakeoverConfig
 from steadfast.control.delivery import Flight
 from steadfast.control.placement import DECODE_ROLES, Placement
 from steadfast.control.workers import WorkerHandle
+from steadfast.ipc import about
 from steadfast.protocol import AddRequest, FinishReason, RequestOutput, Resume, Route, WorkerRole
 
 log = logging.getLogger("steadfast.control.engine_client")
@@ -118,7 +119,9 @@ class Recovery:
             mark.hand_to(target.worker_id)
             target.in_flight.add(rid)
             await self._send(target, add)
-            log.warning("request %s: moved from worker %d, resuming on worker %d", rid, dead, target.worker_id)
+            log.warning(
+                "request %s: moved from worker %d, resuming on worker %d", rid, dead, target.worker_id, extra=about(rid)
+            )
             # Storm control: this slot stays taken until the new owner answers (or the request ends).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(record.answered.wait(), self.cfg.wait_timeout)

@@ -12,6 +12,7 @@ crashes it: a malformed one is answered with an error (the sender, a DEALER, wai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -26,10 +27,17 @@ import zmq
 
 from steadfast import protocol
 from steadfast.config import Config, config_from_dict
-from steadfast.ipc import die_with_parent, setup_logging
+from steadfast.ipc import about, die_with_parent, setup_logging
 from steadfast.kv.arena_file import make_arena, make_tier, open_arena, tier_spec
 from steadfast.kv.arena_prefix import Reserved
-from steadfast.kv.ledger import BlockState, FencedError, LeaseState, LedgerError, LedgerUnavailableError
+from steadfast.kv.ledger import (
+    BlockState,
+    FencedError,
+    LeaseState,
+    LedgerError,
+    LedgerUnavailableError,
+    RequestCheckpoint,
+)
 from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.pool_client import Throttled
 from steadfast.kv.spec import ArenaSpec
@@ -208,6 +216,12 @@ class KVPool:
             if lease.state == LeaseState.ACTIVE and lease.expires < now:
                 epoch = self.ledger.fence(lease.worker)
                 log.warning("lease of %s (pid %d) expired: fenced, epoch now %d", lease.worker, lease.pid, epoch)
+                stranded: list[RequestCheckpoint] = []
+                with contextlib.suppress(LedgerUnavailableError):  # a log line is not worth a failed round
+                    stranded = [r for r in self.ledger.requests(lease.worker) if r.phase != "finished"]
+                for r in stranded:
+                    what = "request %s: owner %s fenced at token %d; its KV waits for a new owner"
+                    log.warning(what, r.request_id, lease.worker, len(r.generated_ids), extra=about(r.request_id))
             elif (
                 lease.state in (LeaseState.FENCED, LeaseState.RELEASED)
                 and (lease.worker, lease.epoch) not in self._reclaimed

@@ -1,11 +1,12 @@
 """The `steadfast` command: `serve` runs the server, `generate` prints one completion in-process;
 `drain`, `migrate`, `rollout`, `degrade` and `status` call a running server's admin routes (ops/admin_cli.py,
-ops/status_cli.py)."""
+ops/status_cli.py); `bench` measures any OpenAI-compatible server (ops/bench_cli.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -15,7 +16,7 @@ from pathlib import Path
 from steadfast.config import Config, ConfigError, load_config
 from steadfast.ipc import setup_logging
 from steadfast.model.gguf_meta import ModelLoadError
-from steadfast.ops import admin_cli, status_cli
+from steadfast.ops import admin_cli, bench_cli, status_cli
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int)
     serve.add_argument("--host")
     serve.add_argument("--workers", type=int, help="number of worker processes")
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], help="every process's log lines (default: STEADFAST_LOG_FORMAT, text)"
+    )
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="print one completion, computed in this process")
@@ -118,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
     admin_cli.add_commands(sub)
     status_cli.add_command(sub)
+    bench_cli.add_command(sub)
 
     args = parser.parse_args(argv)
+    if getattr(args, "log_format", None):
+        os.environ["STEADFAST_LOG_FORMAT"] = args.log_format  # the children inherit it
     setup_logging("steadfast")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if getattr(args, "admin", False):

@@ -16,6 +16,7 @@ import torch
 
 from steadfast.config import Config
 from steadfast.failpoints import broken
+from steadfast.ipc import about
 from steadfast.kv.arena import TORCH_DTYPES, KVArena
 from steadfast.kv.arena_file import ArenaSpaceError
 from steadfast.kv.block_manager import BlockManager, BlockSource
@@ -274,7 +275,13 @@ class Engine:
             return  # copied to another node while it runs on; the answer comes with the outcome
         if left:
             self._let_go(request)
-            log.info("request %s migrated to worker %d at token %d", msg.request_id, msg.to_worker, out.index)
+            log.info(
+                "request %s migrated to worker %d at token %d",
+                msg.request_id,
+                msg.to_worker,
+                out.index,
+                extra=about(msg.request_id),
+            )
         self._pending.append(out)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -411,7 +418,7 @@ class Engine:
             raise failure  # none fails alone, or every one does: the engine is broken, not a request
         for rid, why in culprits.items():
             request = self.scheduler.remove(rid)
-            log.error("request %s failed in a step and was removed from it: %s", rid, why)
+            log.error("request %s failed in a step and was removed from it: %s", rid, why, extra=about(rid))
             outputs.append(
                 RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=f"engine error: {why}", retryable=True)
             )

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from steadfast.config import Config
+from steadfast.ipc import about
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.ledger import ReceiverGoneError
@@ -101,7 +102,11 @@ class KVConnector:
             if claimed is None or claimed != h.block_ids:
                 if claimed and self.blocks.source is not None:
                     self.blocks.source.release(claimed)
-                log.warning("request %s: transferred KV not found here; computing the prompt", msg.request_id)
+                log.warning(
+                    "request %s: transferred KV not found here; computing the prompt",
+                    msg.request_id,
+                    extra=about(msg.request_id),
+                )
                 return False
             sealed = []  # written by our receiver: sealed here as their blocks are named
         request.output_ids = list(msg.resume.output_ids)
@@ -333,7 +338,13 @@ class KVConnector:
         else:
             why = "no free block to copy a shared prefix block into"
         if handed is None:
-            log.warning("request %s: KV not handed to worker %d (%s); it stays here", request.request_id, to, why)
+            log.warning(
+                "request %s: KV not handed to worker %d (%s); it stays here",
+                request.request_id,
+                to,
+                why,
+                extra=about(request.request_id),
+            )
             return Handoff(to, error=why, path="same_node")
         self.scheduler.detach(request)
         sync.handed(self.blocks)

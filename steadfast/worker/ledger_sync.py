@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 import msgspec
 
 from steadfast.config import Config
+from steadfast.ipc import about
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.ledger import (
@@ -200,7 +201,9 @@ class LedgerSync:
                 self._write(self.ledger.checkpoint, [self._record(request, None)], retry=False)
                 return
             except LedgerUnavailableError as exc:
-                log.warning("request %s: abort not recorded yet (%s)", request.request_id, exc)
+                log.warning(
+                    "request %s: abort not recorded yet (%s)", request.request_id, exc, extra=about(request.request_id)
+                )
         self._finished.append(request)
 
     def after_step(self, requests: Collection[Request], blocks: BlockManager, prompt_done: bool = False) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from steadfast.ipc import about
 from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.ledger import LedgerError
 from steadfast.protocol import Route
@@ -43,7 +44,12 @@ def recover(
         try:
             sync.adopt([(b, h) for _, b, h in plan])
         except LedgerError as exc:  # taken by someone else meanwhile: recompute rather than share
-            log.warning("request %s: adoption refused (%s); rebuilding", request.request_id, exc)
+            log.warning(
+                "request %s: adoption refused (%s); rebuilding",
+                request.request_id,
+                exc,
+                extra=about(request.request_id),
+            )
             return Route.REBUILD, 0
         blocks.adopt(ids, [(pos, b) for pos, b, _ in plan])
     adopted = [pos for pos, _, _ in plan]
