@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -124,7 +126,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for r in range(args.rounds):
         order = list(servers) if r % 2 == 0 else list(servers)[::-1]
         for name in order:
-            got, wall = measure(servers[name], w, key, args.model, f"round {r + 1} {name} {servers[name]}", console)
+            try:
+                got, wall = measure(servers[name], w, key, args.model, f"round {r + 1} {name} {servers[name]}", console)
+            except httpx.HTTPError as exc:  # before any request: no model list (nobody there, a wrong key)
+                print(f"steadfast bench: cannot reach {servers[name]}: {exc}", file=sys.stderr)
+                return 1
             rounds[name].append(summarize(got, wall))
             samples[name] += got
     results = {}

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -54,6 +55,7 @@ def test_the_dashboard_shows_a_killed_worker_its_takeover_and_the_level(tmp_path
             runner.start()
             rows = lambda: httpx.get(server.url + "/admin/workers").json()  # noqa: E731
             wait_until(lambda: any(w["in_flight"] and w["running"] for w in rows()), 30, "streams running")
+            time.sleep(1.5)  # some tokens delivered and blocks sealed: the takeover adopts KV
             victim = next(w for w in rows() if w["in_flight"])
             os.kill(victim["pid"], signal.SIGKILL)
             runner.join(timeout=120)

@@ -214,7 +214,7 @@ function renderEvents() {
   body.replaceChildren();
   for (const e of state.events.slice().reverse()) {
     const row = body.insertRow();
-    row.className = e.kind;
+    row.className = "ev-" + e.kind;
     row.dataset.kind = e.kind;
     cell(row, clock(e.at));
     cell(row, e.kind);
