@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import pct, prompt_of, run_info  # noqa: E402
 from steadfast.config import SloConfig, default_model_path  # noqa: E402
 from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
+from steadfast.ops.loadgen import pick  # noqa: E402
 from steadfast.protocol import Priority  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
@@ -60,15 +61,6 @@ class Result:
     tpot: float | None = None  # mean seconds per output token after the first
     tokens: int = 0
     error: str = ""
-
-
-def pick(mix: tuple, rng: random.Random):  # noqa: ANN201 - one of the mix's values
-    r, acc = rng.random(), 0.0
-    for value, share in mix:
-        acc += share
-        if r < acc:
-            return value
-    return mix[-1][0]
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict, t0: float, priority: str) -> Result:

@@ -18,7 +18,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,8 @@ def parse_mix(text: str, kind: Callable[[str], Any] = int) -> list[tuple[Any, fl
     return [(v, s / total) for v, s in mix]
 
 
-def pick(mix: list[tuple[Any, float]], rng: random.Random) -> Any:
+def pick(mix: Sequence[tuple[Any, float]], rng: random.Random) -> Any:
+    """One of the mix's values, drawn by its shares."""
     r, acc = rng.random(), 0.0
     for value, share in mix:
         acc += share
