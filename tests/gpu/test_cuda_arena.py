@@ -1,6 +1,6 @@
 """The KV arena in device memory: owned by one process, mapped by others through CUDA IPC handles.
 
-Skipped without a CUDA device (CI has none); run on a GPU machine as the README's "GPU checks" say.
+Skipped without a CUDA device (CI has none); run on a GPU machine as README.md's "GPU checks" say.
 """
 
 from __future__ import annotations
