@@ -85,10 +85,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.watch:
         console.print(render(call(args, "GET", "/admin/dashboard"), args.events))
         return 0
-    with Live(console=console, auto_refresh=False, screen=False) as live:
-        while True:
-            live.update(render(call(args, "GET", "/admin/dashboard"), args.events), refresh=True)
-            time.sleep(args.watch)
+    try:
+        with Live(console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                live.update(render(call(args, "GET", "/admin/dashboard"), args.events), refresh=True)
+                time.sleep(args.watch)
+    except KeyboardInterrupt:  # Ctrl-C is how a watch ends
+        return 0
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -343,3 +343,19 @@ def test_status_prints_the_same_picture_in_the_terminal(server, capsys):
     assert all(f"│ {w['id']} " in out for w in s["workers"]), out
     assert main(["status", "--url", "http://127.0.0.1:9"]) == 1  # nobody there: a clear error, not a trace
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_status_watch_redraws_until_ctrl_c(server):
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "steadfast.ops.cli", "status", "--url", server.url, "--watch", "0.2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)  # the interpreter's start, then a few redraws
+    finally:
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "Workers" in out and "Timeline" in out
