@@ -16,7 +16,7 @@ from pathlib import Path
 from steadfast.config import Config, ConfigError, load_config
 from steadfast.ipc import setup_logging
 from steadfast.model.gguf_meta import ModelLoadError
-from steadfast.ops import admin_cli, bench_cli, status_cli
+from steadfast.ops import admin_cli, bench_cli, chaos_cli, status_cli
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     admin_cli.add_commands(sub)
     status_cli.add_command(sub)
     bench_cli.add_command(sub)
+    chaos_cli.add_command(sub)
 
     args = parser.parse_args(argv)
     if getattr(args, "log_format", None):

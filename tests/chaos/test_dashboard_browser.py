@@ -1,31 +1,36 @@
-"""The dashboard in a real browser (Debian's Chromium, headless, driven by Playwright) while a worker is
-killed under load: the page shows the worker's death, the takeover and the level, and a screenshot is
-kept as a test artifact (`test-artifacts/`, or $STEADFAST_TEST_ARTIFACTS)."""
+"""The dashboard in a real browser (Debian's Chromium, headless, driven by Playwright) during a
+`steadfast chaos kill-worker` run: the page shows the worker's death, the takeovers and the level, the
+rehearsal passes (every stream token-identical to its undisturbed twin), and a screenshot is kept as a
+test artifact (`test-artifacts/`, or $STEADFAST_TEST_ARTIFACTS)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import signal
-import threading
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.chaos.test_health import run_streams
-from tests.conftest import PROMPTS, wait_until
-from tests.integration.server import ServerProcess
+from tests.conftest import wait_until
+from tests.integration.server import free_port
 
 pytestmark = pytest.mark.chaos
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("STEADFAST_TEST_ARTIFACTS", ROOT / "test-artifacts"))
-TOKENS = 300
+CONFIG = (
+    "model: {dtype: float32, device: cpu}\n"
+    "cache: {kv_memory_mb: 128}\n"
+    "server: {workers: 1, standby_workers: 1, status_interval_s: 0.25}\n"
+    "fault_recovery: {lease: {renew_interval_ms: 100, lease_timeout_ms: 1000}}\n"
+)
 
 
-def browser_or_skip():  # noqa: ANN201 - Playwright's Browser
+def browser_or_skip():  # noqa: ANN201 - Playwright's sync API module and the browser's path
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("no Chromium on this machine (`make test` installs Debian's chromium where it may: root or sudo)")
@@ -33,48 +38,54 @@ def browser_or_skip():  # noqa: ANN201 - Playwright's Browser
     return sync_api, chromium
 
 
+def chaos(tmp_path: Path, scenario: str, config: str, model: str, *extra: str) -> tuple[subprocess.Popen, int, Path]:
+    cfg, report = tmp_path / "chaos.yaml", tmp_path / "chaos.json"
+    cfg.write_text(config)
+    port = free_port()
+    cmd = [sys.executable, "-m", "steadfast.ops.cli", "chaos", scenario, "--config", str(cfg), "--model", model]
+    cmd += ["--port", str(port), "--json", str(report), "--tokens", "120", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, port, report
+
+
+def up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_the_dashboard_shows_a_killed_worker_its_takeover_and_the_level(tmp_path, small_model_path):
     sync_api, chromium = browser_or_skip()
-    cfg = (
-        "model: {dtype: float32, device: cpu}\n"
-        "cache: {kv_memory_mb: 128}\n"
-        "server: {workers: 1, standby_workers: 1, status_interval_s: 0.25}\n"
-        "fault_recovery: {lease: {renew_interval_ms: 100, lease_timeout_ms: 1000}}\n"
-    )
-    server = ServerProcess(tmp_path, cfg, model=small_model_path)
+    proc, port, report = chaos(tmp_path, "kill-worker", CONFIG, small_model_path, "--streams", "3", "--at", "0.5")
+    url = f"http://127.0.0.1:{port}"
     try:
-        server.wait_ready()
+        wait_until(lambda: up(url) or proc.poll() is not None, 120, "the chaos run's server")
+        assert proc.poll() is None, proc.communicate()[0]
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(server.url + "/dashboard")
+            page.goto(url + "/dashboard")
             page.wait_for_selector("#workers tbody tr", timeout=15_000)  # the page polls and draws
-            results: list = []
-            jobs = [(f"{PROMPTS[i]} (dashboard {i})", TOKENS, "normal") for i in range(3)]
-            runner = threading.Thread(target=lambda: results.extend(run_streams(server.url, jobs)))
-            runner.start()
-            rows = lambda: httpx.get(server.url + "/admin/workers").json()  # noqa: E731
-            wait_until(lambda: any(w["in_flight"] and w["running"] for w in rows()), 30, "streams running")
-            time.sleep(1.5)  # some tokens delivered and blocks sealed: the takeover adopts KV
-            victim = next(w for w in rows() if w["in_flight"])
-            os.kill(victim["pid"], signal.SIGKILL)
-            runner.join(timeout=120)
-            assert not runner.is_alive()
-            assert [len(ids) for ids, *_ in results] == [TOKENS] * 3  # every stream completed
-            crash = page.wait_for_selector(f"#events tr[data-kind=crash]:has-text('worker {victim['id']} died')")
-            assert crash is not None and "fenced" in crash.inner_text()
-            page.wait_for_selector("#events tr[data-kind=takeover]", timeout=15_000)
-            takeovers = page.locator("#events tr[data-kind=takeover]").count()
-            state = httpx.get(server.url + "/admin/dashboard").json()
-            assert takeovers == sum(1 for e in state["events"] if e["kind"] == "takeover") >= 1
+            crash = page.wait_for_selector("#events tr[data-kind=crash]", timeout=120_000)
+            assert "died" in crash.inner_text() and "fenced" in crash.inner_text()
+            page.wait_for_selector("#events tr[data-kind=takeover]", timeout=30_000)
+            state = httpx.get(url + "/admin/dashboard").json()
+            takeovers = [e for e in state["events"] if e["kind"] == "takeover"]
+            wait_until(lambda: page.locator("#events tr[data-kind=takeover]").count() == len(takeovers), 10, "rows")
             page.wait_for_function(  # the page's level badge shows the router's level
                 "want => document.querySelector('#level').textContent === want", arg=f"L{state['level']['level']}"
             )
-            assert page.locator(f"#workers tr[data-worker='{victim['id']}']").count() == 0  # gone from the table
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shot = ARTIFACTS / "dashboard-kill-worker.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
             browser.close()
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        got = json.loads(report.read_text())
+        assert got["passed"] and got["identical"] == got["streams"] == 3 and got["takeovers"] == len(takeovers)
     finally:
-        server.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

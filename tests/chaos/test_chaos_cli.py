@@ -1,0 +1,41 @@
+"""`steadfast chaos`: each rehearsal starts its server, runs greedy streams undisturbed and again under
+its fault, and passes only when the fault happened and every stream is token-identical to its twin.
+(kill-worker runs in test_dashboard_browser.py, under the browser.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.chaos.test_dashboard_browser import CONFIG, chaos
+
+pytestmark = pytest.mark.chaos
+
+TWO_WORKERS = CONFIG.replace("workers: 1, standby_workers: 1", "workers: 2, standby_workers: 0")
+
+
+@pytest.mark.parametrize(
+    ("scenario", "config", "proof"),
+    [
+        ("kill-router", CONFIG, lambda r: r["reconnects"] > 0),  # clients resumed with Last-Event-ID
+        ("drain", TWO_WORKERS, lambda r: r["migrations"] > 0),  # requests migrated live
+    ],
+)
+def test_a_rehearsal_passes_with_every_stream_identical(tmp_path, small_model_path, scenario, config, proof):
+    proc, _, report = chaos(tmp_path, scenario, config, small_model_path, "--streams", "4")
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    got = json.loads(report.read_text())
+    assert got["passed"] and got["fault_happened"] and proof(got), got
+    assert got["identical"] == got["streams"] == 4 and got["failed"] == 0
+    assert "identical" in out and "recomputed tokens" in out  # the figures printed
+
+
+def test_a_rehearsal_whose_fault_moves_nothing_fails(tmp_path, small_model_path):
+    # One worker and no other to take its requests: a drain migrates nothing, and the rehearsal says so.
+    one = CONFIG.replace("standby_workers: 1", "standby_workers: 0")
+    proc, _, report = chaos(tmp_path, "drain", one, small_model_path, "--streams", "2", "--tokens", "40")
+    proc.communicate(timeout=400)
+    got = json.loads(report.read_text())
+    assert proc.returncode == 1 and not got["fault_happened"] and not got["passed"], got
