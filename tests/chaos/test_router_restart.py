@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from steadfast.kv.pool import process_gone
+from steadfast.ops.chaos import children_named
 from tests.chaos.test_crash_recovery import chat_body, reference, request_specs
-from tests.chaos.test_serve_faults import children_named
 from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
 

@@ -6,30 +6,14 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from steadfast.ops.chaos import children_named
 from tests.integration.server import ServerProcess
 
 pytestmark = pytest.mark.chaos
-
-
-def children_named(parent: int, module: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and module in cmdline:
-            found.append(int(entry.name))
-    return found
 
 
 def test_kvpool_killed_mid_stream_is_restarted_and_the_stream_completes(tmp_path, small_model_path):
