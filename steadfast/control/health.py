@@ -10,8 +10,8 @@ worker reports.
 - transport: the KV wire's resend rate and timed-out sessions.
 
 The score compares each signal's recent median with the worker's own baseline (the median of the
-older half of the samples before the recent window), so a worker that has always been noisy is not judged by its noise,
-only by getting worse. Pure: the engine client feeds it and acts on what it says.
+older half of the samples before the recent window), so a worker that has always been noisy is not
+judged by its noise, only by getting worse. Pure: the engine client feeds it and acts on what it says.
 """
 
 from __future__ import annotations
