@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,18 +102,48 @@ def rehearse(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         }[scenario]
         report["fault_happened"] = happened
         report["passed"] = happened and report["identical"] == report["streams"] and not report["failed"]
+        show(report, args.json)
+        linger(server, args.linger)
         return report
     finally:
         server.stop()
 
 
+def linger(server: Served, seconds: float) -> None:
+    """Keep the server up `seconds` after the report (to read its dashboard); SIGINT or SIGTERM ends it
+    sooner, and the server is still stopped."""
+    if seconds <= 0:
+        return
+    print(f"steadfast chaos: the server stays up {seconds:g}s at {server.url}/dashboard", file=sys.stderr)
+    ended = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: ended.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ended.wait(seconds)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_chaos(args: argparse.Namespace) -> int:
     folder = Path(tempfile.mkdtemp(prefix="steadfast-chaos-"))
+    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the server (its own session) is stopped too
     try:
         report = rehearse(args, folder)
     except (RuntimeError, httpx.HTTPError) as exc:
         print(f"steadfast chaos: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("steadfast chaos: interrupted", file=sys.stderr)
+        return 130
+    return 0 if report["passed"] else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def show(report: dict[str, Any], json_path: str | None) -> None:
+    """The figures as a table on stdout, and as JSON in `json_path` when given."""
     t = Table(title=f"steadfast chaos {report['scenario']}: {report['fault']}")
     t.add_column("figure")
     t.add_column("value", justify="right")
@@ -132,9 +163,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     ):
         t.add_row(key.replace("_", " "), str(report[key]))
     Console().print(t)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0 if report["passed"] else 1
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -150,4 +180,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--stop-seconds", type=float, default=8.0, help="stop-worker: how long (past the lease)")
     p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    p.add_argument(
+        "--linger", type=float, default=0.0, help="keep the server up this long after the report (its dashboard)"
+    )
     p.set_defaults(func=cmd_chaos)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,19 +58,23 @@ def up(url: str) -> bool:
 
 def test_the_dashboard_shows_a_killed_worker_its_takeover_and_the_level(tmp_path, small_model_path):
     sync_api, chromium = browser_or_skip()
-    proc, port, report = chaos(tmp_path, "kill-worker", CONFIG, small_model_path, "--streams", "3", "--at", "0.5")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: up(url) or proc.poll() is not None, 120, "the chaos run's server")
-        assert proc.poll() is None, proc.communicate()[0]
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    with sync_api.sync_playwright() as pw:
+        # The browser first (its first start on a busy machine takes a while), then the rehearsal, which
+        # keeps its server up after its report (--linger) until this test has read the page.
+        browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        args = ("--streams", "3", "--at", "0.5", "--linger", "180")
+        proc, port, report = chaos(tmp_path, "kill-worker", CONFIG, small_model_path, *args)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: up(url) or proc.poll() is not None, 120, "the chaos run's server")
+            assert proc.poll() is None, proc.communicate()[0]
             page.goto(url + "/dashboard")
             page.wait_for_selector("#workers tbody tr", timeout=15_000)  # the page polls and draws
             crash = page.wait_for_selector("#events tr[data-kind=crash]", timeout=120_000)
             assert "died" in crash.inner_text() and "fenced" in crash.inner_text()
             page.wait_for_selector("#events tr[data-kind=takeover]", timeout=30_000)
+            wait_until(report.exists, 180, "the rehearsal's report")  # every takeover is in the timeline now
             state = httpx.get(url + "/admin/dashboard").json()
             takeovers = [e for e in state["events"] if e["kind"] == "takeover"]
             wait_until(lambda: page.locator("#events tr[data-kind=takeover]").count() == len(takeovers), 10, "rows")
@@ -81,11 +86,12 @@ def test_the_dashboard_shows_a_killed_worker_its_takeover_and_the_level(tmp_path
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
             browser.close()
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out
-        got = json.loads(report.read_text())
-        assert got["passed"] and got["identical"] == got["streams"] == 3 and got["takeovers"] == len(takeovers)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.send_signal(signal.SIGTERM)  # ends the lingering; the server stops, the exit code stays
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out
+            got = json.loads(report.read_text())
+            assert got["passed"] and got["identical"] == got["streams"] == 3 and got["takeovers"] == len(takeovers)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()  # the rehearsal stops its server on the way out
+                proc.wait(120)

@@ -93,17 +93,27 @@ def reference(small_config, small_model, make_engine, prompts: list[str], tokens
 def test_a_worker_whose_requests_fail_is_taken_out_and_they_complete_elsewhere(
     tmp_path, monkeypatch, small_model_path, small_config, small_model, make_engine
 ):
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (stream {i})" for i in range(8)]
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (stream {i})" for i in range(12)]
     want = reference(small_config, small_model, make_engine, prompts, TOKENS)
     # Worker 1's logits turn NaN from its 6th step on: its process lives and reports, its requests fail.
     marks = arm(monkeypatch, tmp_path, "worker1_nonfinite=0@6")
     server = ServerProcess(tmp_path, config("{sick_failures: 2, sick_cooldown_s: 600}"), model=small_model_path)
+
+    def sick() -> bool:
+        return httpx.get(server.url + "/admin/health").json()["workers"]["1"]["standing"] == "sick"
+
     try:
         server.wait_ready()
-        got = run_streams(server.url, [(p, TOKENS, "normal") for p in prompts[:6]])
+        # Six streams at once, then pairs until two have failed on worker 1: the router places by
+        # predicted TTFT, so how many of a round land on worker 1 varies with the machine's timing.
+        rounds = [range(0, 6), range(6, 8), range(8, 10)]
+        for i, chosen in enumerate(rounds):
+            got = run_streams(server.url, [(prompts[j], TOKENS, "normal") for j in chosen])
+            for (ids, finish, _, _), j in zip(got, chosen, strict=True):
+                assert ids == want[j] and finish == "length", j
+            if sick() or i == len(rounds) - 1:
+                break
         assert list(marks.glob("worker1_nonfinite.*")), "worker 1's logits never broke: the fault did not happen"
-        for (ids, finish, _, _), expected in zip(got, want, strict=False):
-            assert ids == expected and finish == "length"
         health = httpx.get(server.url + "/admin/health").json()
         assert health["workers"]["1"]["standing"] == "sick", health
         assert health["workers"]["1"]["layers"]["request"]["state"] == "fail"
@@ -115,8 +125,8 @@ def test_a_worker_whose_requests_fail_is_taken_out_and_they_complete_elsewhere(
         assert listed[1]["standing"] == "sick" and listed[0]["standing"] == "healthy"
         # Out of rotation: new requests all go to worker 0 and complete.
         before = len(moved)
-        later = run_streams(server.url, [(p, TOKENS, "normal") for p in prompts[6:]])
-        for (ids, finish, _, _), expected in zip(later, want[6:], strict=False):
+        later = run_streams(server.url, [(p, TOKENS, "normal") for p in prompts[10:]])
+        for (ids, finish, _, _), expected in zip(later, want[10:], strict=True):
             assert ids == expected and finish == "length"
         assert len(httpx.get(server.url + "/admin/takeovers").json()) == before  # none failed there again
         decisions = httpx.get(server.url + "/admin/routing").json()["decisions"]
