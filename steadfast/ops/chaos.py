@@ -4,23 +4,19 @@ its first-run twin token for token. The figures of the recovery: the longest wai
 two tokens, tokens recomputed by takeovers, failed streams.
 
 Streams resume with `Last-Event-ID` when their connection breaks (a killed router), as a client should.
-Faults act on the server's processes by signal, so the rehearsal runs on the server's host; the server
-is started by the command (ops/chaos_cli.py), which knows its process tree.
+The faults (ops/chaos_faults.py) act on the server's processes by signal, so the rehearsal runs on the
+server's host; the server is started by the command (ops/chaos_cli.py), which knows its process tree.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
-import os
-import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -43,6 +39,10 @@ class Scenario(enum.StrEnum):
     KILL_ROUTER = "kill-router"  # SIGKILL the router: restarted, clients resume with Last-Event-ID
     KILL_POOL = "kill-pool"  # SIGKILL the kvpool daemon: restarted, it re-attaches arena and ledger
     DRAIN = "drain"  # an operator drains the busiest worker: its requests migrate live
+    SLOW_WORKER = "slow-worker"  # the busiest worker stopped for a growing share of its time
+    BREAK_TRANSFER = "break-transfer"  # the KV wire's primary path drops every frame
+    OVERLOAD = "overload"  # a burst of low-priority streams far beyond capacity
+    ROLLOUT = "rollout"  # every worker replaced in turn, its requests migrated first
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Stream:
     """One greedy stream as its client saw it."""
 
     prompt: str
+    client: int = 0  # which of the rehearsal's clients sent it (its twin in the other run)
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # monotonic, one per token
     finish: str | None = None
@@ -61,10 +62,11 @@ class Stream:
         return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)), default=0.0)
 
 
-def stream(url: str, model: str, prompt: str, tokens: int) -> Stream:
+def stream(url: str, model: str, prompt: str, tokens: int, priority: str = "normal", client: int = 0) -> Stream:
     """A chat completion streamed to its end, reconnecting with Last-Event-ID whenever it breaks."""
-    s = Stream(prompt)
+    s = Stream(prompt, client)
     body = {
+        "priority": priority,
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": tokens,
@@ -124,42 +126,83 @@ def children_named(parent: int, module: str) -> list[int]:
     return found
 
 
+class Striking(Protocol):
+    """What the rehearsal needs of a fault."""
+
+    before_streams: bool
+    closed_loop: bool
+
+    def strike(self) -> str: ...
+
+    def settle(self) -> None: ...
+
+
 class Rehearsal:
-    def __init__(self, url: str, launcher_pid: int, streams: int = 6, tokens: int = 80, stop_s: float = 8.0) -> None:
+    """The same greedy streams against one server, undisturbed or while a fault strikes. A fault is an
+    object with `strike()` (ops/chaos_faults.py): the rehearsal only times it."""
+
+    def __init__(
+        self,
+        url: str,
+        launcher_pid: int,
+        streams: int = 6,
+        tokens: int = 80,
+        stop_s: float = 8.0,
+        drill: Path | None = None,
+        burst: int = 200,
+    ) -> None:
         self.url, self.launcher_pid = url.rstrip("/"), launcher_pid
         self.streams, self.tokens, self.stop_s = streams, tokens, stop_s
+        self.drill, self.burst = drill, burst  # the server's KV fault drill file; overload's burst size
         self.model = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
-    def _admin(self, path: str) -> Any:
+    def admin(self, path: str) -> Any:
         return httpx.get(self.url + path, timeout=10).json()
 
-    def _busiest(self) -> dict[str, Any]:
-        rows = [w for w in self._admin("/admin/workers") if w["state"] != "dead" and w["role"] != "standby"]
+    def busiest(self) -> dict[str, Any]:
+        """The serving worker with the most requests in flight."""
+        rows = [w for w in self.admin("/admin/workers") if w["state"] != "dead" and w["role"] != "standby"]
         return max(rows, key=lambda w: w["in_flight"])
 
-    def run(self, fault: Callable[[], str] | None = None, at: float = 0.3) -> tuple[list[Stream], str]:
-        """Every stream at once; `fault` strikes once the streams have `at` of their tokens on average.
-        Returns the streams and what the fault did."""
-        results: list[Stream | None] = [None] * self.streams
+    def run(self, fault: Striking | None = None, at: float = 0.3, priority: str = "normal") -> tuple[list[Stream], str]:
+        """Every client's stream at once; `fault` strikes once the streams have `at` of their tokens on
+        average (or before they start, when its `before_streams`) and settles after they ended. When
+        its `closed_loop`, each client sends its prompt again and again until the strike is over (a
+        rollout outlasts any one stream). Returns the streams, in order of clients, and what the fault did."""
+        results: list[list[Stream]] = [[] for _ in range(self.streams)]
         prompts = [f"{PROMPTS[i % len(PROMPTS)]} (stream {i})" for i in range(self.streams)]
+        struck = threading.Event()
+        again = fault is not None and fault.closed_loop
 
-        def one(i: int) -> None:
-            results[i] = stream(self.url, self.model, prompts[i], self.tokens)
+        def client(i: int) -> None:
+            while True:
+                results[i].append(stream(self.url, self.model, prompts[i], self.tokens, priority, i))
+                if not again or struck.is_set() or results[i][-1].error:
+                    return
 
+        did = fault.strike() if fault is not None and fault.before_streams else ""
         base = self.tokens_out()
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(self.streams)]
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(self.streams)]
         for t in threads:
             t.start()
-        did = ""
-        if fault is not None:
-            want, deadline = at * self.tokens * self.streams, time.monotonic() + 120
-            while time.monotonic() < deadline and self.tokens_out() - base < want:
-                time.sleep(0.05)
-            did = fault()
-        for t in threads:
-            t.join(STREAM_DEADLINE_S + 30)
+        try:
+            if fault is not None and not fault.before_streams:
+                want, deadline = at * self.tokens * self.streams, time.monotonic() + 120
+                while time.monotonic() < deadline and self.tokens_out() - base < want:
+                    time.sleep(0.05)
+                did = fault.strike()
+            struck.set()
+            for t in threads:
+                t.join(STREAM_DEADLINE_S + 30)
+        finally:
+            struck.set()
+            if fault is not None:
+                fault.settle()
         lost = "client thread did not end"
-        return [r or Stream(p, error=lost) for r, p in zip(results, prompts, strict=True)], did
+        for i, got in enumerate(results):
+            if not got or threads[i].is_alive():
+                got.append(Stream(prompts[i], i, error=lost))
+        return [s for got in results for s in got], did
 
     def tokens_out(self) -> int:
         """Tokens the server has generated so far (its own counter; 0 while it cannot be reached)."""
@@ -170,46 +213,11 @@ class Rehearsal:
         total = (ln.split()[-1] for ln in text.splitlines() if ln.startswith("steadfast_generation_tokens_total"))
         return int(float(next(total, "0")))
 
-    # --- the faults ------------------------------------------------------------------------------
-    def fault(self, scenario: Scenario) -> Callable[[], str]:
-        return {
-            Scenario.KILL_WORKER: self._kill_worker,
-            Scenario.STOP_WORKER: self._stop_worker,
-            Scenario.KILL_ROUTER: lambda: self._kill_child("steadfast.control.main", "router"),
-            Scenario.KILL_POOL: lambda: self._kill_child("steadfast.kv.pool", "kvpool"),
-            Scenario.DRAIN: self._drain,
-        }[scenario]
-
-    def _kill_worker(self) -> str:
-        w = self._busiest()
-        os.kill(w["pid"], signal.SIGKILL)
-        return f"worker {w['id']} (pid {w['pid']}, {w['in_flight']} requests) killed"
-
-    def _stop_worker(self) -> str:
-        w = self._busiest()
-        os.kill(w["pid"], signal.SIGSTOP)
-        time.sleep(self.stop_s)
-        with contextlib.suppress(ProcessLookupError):  # fenced and killed meanwhile, as it should be
-            os.kill(w["pid"], signal.SIGCONT)
-        return f"worker {w['id']} (pid {w['pid']}, {w['in_flight']} requests) stopped {self.stop_s:g}s"
-
-    def _kill_child(self, module: str, name: str) -> str:
-        pids = children_named(self.launcher_pid, module)
-        if not pids:
-            raise RuntimeError(f"no {name} process under the launcher {self.launcher_pid}")
-        os.kill(pids[0], signal.SIGKILL)
-        return f"{name} (pid {pids[0]}) killed"
-
-    def _drain(self) -> str:
-        w = self._busiest()
-        r = httpx.post(f"{self.url}/admin/workers/{w['id']}/drain", timeout=10)
-        r.raise_for_status()
-        return f"worker {w['id']} drained ({w['in_flight']} requests)"
-
 
 def compare(clean: list[Stream], faulted: list[Stream]) -> dict[str, Any]:
-    """Each faulted stream against its undisturbed twin."""
-    same = [a.tokens == b.tokens and b.finish == a.finish for a, b in zip(clean, faulted, strict=True)]
+    """Each faulted stream against its undisturbed twin (the clean run's stream of the same client)."""
+    twin = {s.client: s for s in clean}
+    same = [twin[b.client].tokens == b.tokens and b.finish == twin[b.client].finish for b in faulted]
     return {
         "streams": len(faulted),
         "identical": sum(same),

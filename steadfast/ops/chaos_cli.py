@@ -22,7 +22,22 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from steadfast.ops.chaos import Rehearsal, Scenario, children_named, compare
+from steadfast.ops.chaos import Rehearsal, Scenario, compare
+from steadfast.ops.chaos_faults import FAULTS
+
+COMMON = (
+    "streams",
+    "identical",
+    "failed",
+    "longest_gap_ms",
+    "clean_longest_gap_ms",
+    "reconnects",
+    "takeovers",
+    "adopted_tokens",
+    "recomputed_tokens",
+    "migrations",
+)
+VERDICT = ("fault_happened", "passed")
 
 
 def _free_port() -> int:
@@ -38,11 +53,18 @@ class Served:
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = folder / "server.log"
+        # The KV wire's fault drill: its senders read this file at the start of every transfer (empty:
+        # no fault); a config's own `transfer.faults_file` wins over it.
+        self.drill = folder / "transfer-faults"
+        self.drill.write_text("")
         cmd = [sys.executable, "-m", "steadfast.ops.cli", "serve", "--port", str(self.port)]
         cmd += ["--config", config] if config else []
         cmd += ["--model", model] if model else []
+        env = os.environ | {"STEADFAST_TRANSFER_FAULTS_FILE": str(self.drill)}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )  # fmt: skip
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -80,10 +102,12 @@ def rehearse(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         server.wait_ready()
         print(f"steadfast chaos: serving at {server.url} (its dashboard: {server.url}/dashboard)", file=sys.stderr)
         r = Rehearsal(server.url, server.proc.pid, args.streams, args.tokens, args.stop_seconds)
-        clean, _ = r.run()
+        r.drill, r.burst = server.drill, args.burst
+        kind = FAULTS[scenario]
+        clean, _ = r.run(priority=kind.priority)
         takeovers0, migrations0 = _records(server.url)
-        pools0 = children_named(server.proc.pid, "steadfast.kv.pool")
-        faulted, did = r.run(r.fault(scenario), args.at)
+        fault = kind(r)
+        faulted, did = r.run(fault, args.at, kind.priority)
         takeovers, migrations = _records(server.url)
         takeovers, migrations = takeovers[len(takeovers0) :], migrations[len(migrations0) :]
         report = {"scenario": scenario.value, "fault": did} | compare(clean, faulted)
@@ -93,15 +117,10 @@ def rehearse(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "recomputed_tokens": sum(t["recomputed_tokens"] for t in takeovers),
             "migrations": sum(1 for m in migrations if m["outcome"] == "committed"),
         }
-        happened = {
-            Scenario.KILL_WORKER: report["takeovers"] > 0,
-            Scenario.STOP_WORKER: report["takeovers"] > 0,
-            Scenario.KILL_ROUTER: report["reconnects"] > 0,
-            Scenario.KILL_POOL: children_named(server.proc.pid, "steadfast.kv.pool") != pools0,
-            Scenario.DRAIN: any(m["reason"] == "drain" and m["outcome"] == "committed" for m in migrations),
-        }[scenario]
-        report["fault_happened"] = happened
-        report["passed"] = happened and report["identical"] == report["streams"] and not report["failed"]
+        report |= fault.figures()
+        report["fault_happened"] = fault.happened(report, migrations)
+        same = report["identical"] == report["streams"] and not report["failed"]
+        report["passed"] = report["fault_happened"] and same and fault.harmless()
         show(report, args.json)
         linger(server, args.linger)
         return report
@@ -144,25 +163,17 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def show(report: dict[str, Any], json_path: str | None) -> None:
     """The figures as a table on stdout, and as JSON in `json_path` when given."""
-    t = Table(title=f"steadfast chaos {report['scenario']}: {report['fault']}")
+    console = Console()
+    console.print(f"steadfast chaos {report['scenario']}: {report['fault']}", soft_wrap=True)
+    t = Table()
     t.add_column("figure")
     t.add_column("value", justify="right")
-    for key in (
-        "streams",
-        "identical",
-        "failed",
-        "longest_gap_ms",
-        "clean_longest_gap_ms",
-        "reconnects",
-        "takeovers",
-        "adopted_tokens",
-        "recomputed_tokens",
-        "migrations",
-        "fault_happened",
-        "passed",
-    ):
+    own = [k for k in report if k not in (*COMMON, *VERDICT, "scenario", "fault", "errors")]
+    for key in (*COMMON, *own, *VERDICT):  # the fault's own figures between the common ones and the verdict
         t.add_row(key.replace("_", " "), str(report[key]))
-    Console().print(t)
+    for error in report["errors"]:
+        t.add_row("error", error)
+    console.print(t)
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
 
@@ -177,7 +188,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument(
         "--at", type=float, default=0.3, help="strike when this share of tokens is out (default %(default)s)"
     )
-    p.add_argument("--stop-seconds", type=float, default=8.0, help="stop-worker: how long (past the lease)")
+    p.add_argument(
+        "--stop-seconds", type=float, default=8.0, help="stop-worker: how long; slow-worker: how long it slows down"
+    )
+    p.add_argument("--burst", type=int, default=200, help="overload: low-priority streams at once")
     p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     p.add_argument(
