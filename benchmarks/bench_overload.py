@@ -7,8 +7,9 @@ false` and the per-priority queue bounds lifted: a server with no ladder, only `
 First the capacity: a closed loop of `--capacity-concurrency` clients on the ladder-off server, completed
 requests per second. Then per load, each mode in turn (which goes first alternates; this machine's speed
 drifts by tens of percent over a minute), `--seconds` of Poisson arrivals: priorities 20 % high, 50 %
-normal, 30 % low; prompts of 32, 128 or 256 tokens (50/35/15 %, distinct so that no prefix is cached);
-`--max-tokens` output tokens, EOS ignored, greedy. Every request is waited for to its end.
+normal, 30 % low; prompts of about 32, 128 or 256 tokens (50/35/15 %, distinct so that no prefix is
+cached); `--max-tokens` output tokens, EOS ignored, greedy. Every request is waited for to its end. The
+clients are the project's load generator (`steadfast bench`'s, `steadfast/ops/loadgen.py`).
 
 Per mode, load and priority: goodput (requests per second of the arrival window that completed with
 TTFT within their priority's TTFT p99 target and a mean time per output token within the TPOT p99
@@ -24,11 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -36,144 +36,72 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import pct, prompt_of, run_info  # noqa: E402
-from steadfast.config import SloConfig, default_model_path  # noqa: E402
-from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
-from steadfast.ops.loadgen import pick  # noqa: E402
+from benchmarks.common import pct, run_info  # noqa: E402
+from steadfast.config import SloConfig  # noqa: E402
+from steadfast.ops.loadgen import Arrivals, LoadGenerator, Sample, Workload  # noqa: E402
 from steadfast.protocol import Priority  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
-PRIORITY_MIX = ((Priority.HIGH, 0.2), (Priority.NORMAL, 0.5), (Priority.LOW, 0.3))
-PROMPT_MIX = ((32, 0.5), (128, 0.35), (256, 0.15))
+PRIORITIES = [("high", 0.2), ("normal", 0.5), ("low", 0.3)]
+# Prompt lengths in words of the load generator's text (about 1.3 tokens a word): ~32, 128 and 256 tokens.
+PROMPT_WORDS = [(24, 0.5), (96, 0.35), (192, 0.15)]
 MODES = {
     "on": "",
     "off": "degradation: {enabled: false, max_queued_high: 100000, max_queued_normal: 100000, "
     "max_queued_low: 100000}\n",
 }
+UNBOUNDED = 10**6  # sessions: the run is bounded by its seconds
 
 
-@dataclass
-class Result:
-    priority: str
-    status: int  # HTTP status at admission
-    sent: float  # seconds since the run's start
-    ttft: float | None = None
-    tpot: float | None = None  # mean seconds per output token after the first
-    tokens: int = 0
-    error: str = ""
+def workload(max_tokens: int, seed: int, **how: object) -> Workload:
+    """This benchmark's requests (priority and prompt mixes, `max_tokens` out, greedy, EOS ignored)."""
+    return Workload(
+        requests=UNBOUNDED,
+        prompt_words=PROMPT_WORDS,
+        output_tokens=[(max_tokens, 1.0)],
+        priorities=PRIORITIES,
+        seed=seed,
+        timeout_s=900.0,
+        **how,  # type: ignore[arg-type]
+    )
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict, t0: float, priority: str) -> Result:
-    start = time.perf_counter()
-    res = Result(priority, 0, start - t0)
-    first = last = 0.0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            res.status = r.status_code
-            if r.status_code != 200:
-                await r.aread()
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"]["message"][:200]
-                    break
-                n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
-                if n:
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    res.tokens += n
-    except httpx.HTTPError as exc:
-        res.error = repr(exc)[:200]
-    if first:
-        res.ttft = first - start
-        if res.tokens > 1:
-            res.tpot = (last - first) / (res.tokens - 1)
-    return res
+async def capacity(url: str, model: str, max_tokens: int, concurrency: int, seconds: float) -> float:
+    """Completed requests per second of a closed loop of `concurrency` clients for `seconds`."""
+    gen = LoadGenerator(url, workload(max_tokens, 1, concurrency=concurrency, seconds=seconds), model=model)
+    samples = await gen.run()
+    return sum(1 for s in samples if s.ok and s.tokens == max_tokens) / gen.wall_s
 
 
-class Workload:
-    def __init__(self, tokenizer: GGUFTokenizer, model: str, max_tokens: int, seed: int) -> None:
-        self.tok, self.model, self.max_tokens = tokenizer, model, max_tokens
-        self.rng = random.Random(seed)
-        self.n = 0
-
-    def next(self) -> tuple[dict, str]:
-        self.n += 1
-        priority = pick(PRIORITY_MIX, self.rng)
-        length = pick(PROMPT_MIX, self.rng)
-        body = {
-            "model": self.model,
-            "prompt": prompt_of(self.tok, length, f"r{self.n}-{self.rng.random():.6f}"),
-            "max_tokens": self.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-            "priority": priority.label,
-        }
-        return body, priority.label
-
-
-def client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=2000, max_keepalive_connections=64))
-
-
-async def capacity(url: str, work: Workload, concurrency: int, seconds: float) -> float:
-    """Completed requests per second of a closed loop of `concurrency` clients."""
-    done = 0
-    t0 = time.perf_counter()
-    async with client() as c:
-
-        async def loop() -> None:
-            nonlocal done
-            while time.perf_counter() - t0 < seconds:
-                body, label = work.next()
-                r = await one(c, url, body, t0, label)
-                done += r.status == 200 and r.tokens == work.max_tokens
-            return None
-
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
-    return done / (time.perf_counter() - t0)
-
-
-async def open_loop(url: str, work: Workload, rate: float, seconds: float, record: bool) -> tuple[list, list]:
+async def open_loop(
+    url: str, model: str, max_tokens: int, rate: float, seconds: float, seed: int, record: bool
+) -> tuple[list[Sample], list[tuple[float, int, int]]]:
     """Poisson arrivals at `rate` per second for `seconds`; every request waited for. With `record`, the
     ladder's level and the requests in flight twice a second: [(t, level, in flight)]."""
-    rng = random.Random(int(rate * 1000))
-    tasks: list[asyncio.Task[Result]] = []
+    how = {"arrivals": Arrivals.POISSON, "rate": rate, "seconds": seconds}
+    gen = LoadGenerator(url, workload(max_tokens, seed, **how), model=model)
     timeline: list[tuple[float, int, int]] = []
     t0 = time.perf_counter()
-    async with client() as c:
 
-        async def watch() -> None:
+    async def watch() -> None:
+        async with httpx.AsyncClient(timeout=10) as c:
             while True:
                 try:
-                    r = await c.get(url + "/admin/degradation")
-                    level = r.json()["level"]
+                    level = (await c.get(url + "/admin/degradation")).json()["level"]
                 except (httpx.HTTPError, KeyError, ValueError):
                     level = -1
-                timeline.append((time.perf_counter() - t0, level, sum(1 for t in tasks if not t.done())))
+                timeline.append((time.perf_counter() - t0, level, gen.in_flight))
                 await asyncio.sleep(0.5)
 
-        watcher = asyncio.create_task(watch()) if record else None
-        next_at = 0.0
-        while next_at < seconds:
-            await asyncio.sleep(max(0.0, next_at - (time.perf_counter() - t0)))
-            body, label = work.next()
-            tasks.append(asyncio.create_task(one(c, url, body, t0, label)))
-            next_at += rng.expovariate(rate)
-        results = await asyncio.gather(*tasks)
-        if watcher is not None:
-            await asyncio.sleep(1.0)
-            watcher.cancel()
-    return list(results), timeline
+    watcher = asyncio.create_task(watch()) if record else None
+    samples = await gen.run()
+    if watcher is not None:
+        await asyncio.sleep(1.0)
+        watcher.cancel()
+    return samples, timeline
 
 
-def summarize(results: list[Result], seconds: float, max_tokens: int, slo: SloConfig) -> dict:
+def summarize(results: list[Sample], seconds: float, max_tokens: int, slo: SloConfig) -> dict:
     out = {}
     for p in Priority:
         mine = [r for r in results if r.priority == p.label]
@@ -233,7 +161,6 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overload.json"))
     p.add_argument("--png", default=str(ROOT / "benchmarks" / "results" / "overload_timeline.png"))
     args = p.parse_args()
-    tokenizer = GGUFTokenizer.from_gguf(default_model_path())
     slo = SloConfig()
     servers = {}
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
@@ -245,8 +172,9 @@ def main() -> None:
         for s in servers.values():
             s.wait_ready()
         model = httpx.get(servers["on"].url + "/v1/models").json()["data"][0]["id"]
-        work = Workload(tokenizer, model, args.max_tokens, seed=1)
-        cap = asyncio.run(capacity(servers["off"].url, work, args.capacity_concurrency, args.capacity_seconds))
+        cap = asyncio.run(
+            capacity(servers["off"].url, model, args.max_tokens, args.capacity_concurrency, args.capacity_seconds)
+        )
         print(f"capacity: {cap:.2f} requests/s (closed loop, c={args.capacity_concurrency})", flush=True)
         report: dict = {"run": run_info(args), "capacity_rps": round(cap, 3), "runs": {}}
         timelines = {}
@@ -254,10 +182,9 @@ def main() -> None:
             order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
             for mode in order:
                 rate = mult * cap
-                work = Workload(tokenizer, model, args.max_tokens, seed=100 + i)  # the same arrivals per mode
                 t0 = time.perf_counter()
-                results, timeline = asyncio.run(
-                    open_loop(servers[mode].url, work, rate, args.seconds, record=mode == "on")
+                results, timeline = asyncio.run(  # seed 100 + i: the same arrivals for both modes
+                    open_loop(servers[mode].url, model, args.max_tokens, rate, args.seconds, 100 + i, mode == "on")
                 )
                 summary = summarize(results, args.seconds, args.max_tokens, slo)
                 key = f"{mult:g}x/{mode}"

@@ -3,10 +3,11 @@ attainment with the health-driven scheduler vs without it while one worker degra
 
 Servers of two mixed workers on one node (no standby, ledger on, the default model and dtype; the
 degradation ladder off in every arm, so that no request is refused and the figures are the router's
-placement alone). The arms run one after another, each on a fresh server.
+placement alone). The arms run one after another, each on a fresh server. The clients are the project's
+load generator (`steadfast bench`'s, `steadfast/ops/loadgen.py`).
 
 1. Multi-turn chat (`routing.policy: kv_aware` vs `round_robin`): `--sessions` concurrent chats, each a
-   distinct system prompt of ~`--system-tokens` tokens and `--turns` turns (a short user message, an
+   distinct system prompt of `--system-tokens` words (~1.3 tokens a word) and `--turns` turns (a short user message, an
    answer of `--answer-tokens`, greedy, EOS ignored), every turn sending the whole history. Per arm:
    TTFT mean and p99 over all turns and over turns after the first (the first finds nothing cached
    under either policy), and the router's prefix hit rate (prompt tokens found cached on the chosen
@@ -14,7 +15,7 @@ placement alone). The arms run one after another, each on a fresh server.
 2. One worker degrading, per arm: `on` the global scheduler as shipped (health checks, KV-aware
    routing); `routing_only` its routing half alone (`health.enabled: false`); `off` the placement before
    it (no health checks, fewest requests in flight); `blind` round-robin, no health checks. Poisson
-   arrivals at `--rate` per second for `--seconds` (prompts of 64 tokens, 96 output tokens, greedy);
+   arrivals at `--rate` per second for `--seconds` (prompts of ~64 tokens, 96 output tokens, greedy);
    after `--calm` seconds worker 1 is stopped (SIGSTOP/SIGCONT) for a share of every 100 ms that grows
    over `--ramp` seconds to each of `--stops` (a run each: 75 % is a worker at a quarter of its speed,
    90 % at a tenth) and stays there. SLO attainment: the share of requests with TTFT within the TTFT p99
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -40,10 +40,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_overload import Result, client, one  # noqa: E402
-from benchmarks.common import TEXT, pct, prompt_of, run_info  # noqa: E402
+from benchmarks.common import pct, run_info  # noqa: E402
 from steadfast.config import SloConfig, default_model_path  # noqa: E402
-from steadfast.model.tokenizer import GGUFTokenizer  # noqa: E402
+from steadfast.ops.loadgen import Arrivals, LoadGenerator, Workload  # noqa: E402
 from steadfast.protocol import Priority  # noqa: E402
 from tests.chaos.test_health import DutyCycle, worker_pid  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
@@ -53,7 +52,6 @@ BASE = (
     "server: {workers: 2, standby_workers: 0}\n"
     "degradation: {enabled: false, max_queued_high: 100000, max_queued_normal: 100000, max_queued_low: 100000}\n"
 )
-WORDS = TEXT.split()
 # The global scheduler as shipped, its routing half alone, the placement before it, and none.
 SCHEDULERS = {
     "on": "health: {enabled: true}\nrouting: {policy: kv_aware}\n",
@@ -63,49 +61,29 @@ SCHEDULERS = {
 }
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-async def chat_turn(c: httpx.AsyncClient, url: str, model: str, messages: list[dict], tokens: int) -> tuple[float, str]:
-    """One streamed chat turn: (TTFT, the answer's text)."""
-    body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    start, first, text = time.perf_counter(), 0.0, ""
-    async with c.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"chat turn refused: {r.status_code} {await r.aread()!r}")
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content") or ""
-                if delta:
-                    first = first or time.perf_counter()
-                    text += delta
-    return (first or time.perf_counter()) - start, text
-
-
 async def chats(url: str, model: str, args: argparse.Namespace) -> dict:
-    ttfts: list[tuple[int, float]] = []  # (turn, seconds)
-
-    async def session(k: int) -> None:
-        rng = random.Random(1000 + k)
-        system = f"Session {k}. You are a patient assistant. Background: " + words(rng, args.system_tokens)
-        messages = [{"role": "system", "content": system}]
-        async with client() as c:
-            for turn in range(args.turns):
-                messages.append({"role": "user", "content": f"Question {turn}: " + words(rng, 24)})
-                ttft, answer = await chat_turn(c, url, model, messages, args.answer_tokens)
-                ttfts.append((turn, ttft))
-                messages.append({"role": "assistant", "content": answer})
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(session(k) for k in range(args.sessions)))
-    wall = time.perf_counter() - t0
+    """`--sessions` chats at once from the load generator, each a system prompt of its own and
+    `--turns` turns sending the whole history."""
+    work = Workload(
+        concurrency=args.sessions,
+        requests=args.sessions,
+        turns=args.turns,
+        system_words=args.system_tokens,
+        prompt_words=[(24, 1.0)],
+        output_tokens=[(args.answer_tokens, 1.0)],
+        seed=1000,
+    )
+    gen = LoadGenerator(url, work, model=model)
+    samples = await gen.run()
+    failed = [s.error or f"HTTP {s.status}" for s in samples if not s.ok]
+    if failed:
+        raise RuntimeError(f"chat turns failed: {failed[:3]}")
     routing = httpx.get(url + "/admin/routing").json()
-    later = [t for turn, t in ttfts if turn > 0]
-    every = [t for _, t in ttfts]
+    every = [s.ttft or 0.0 for s in samples]
+    later = [s.ttft or 0.0 for s in samples if s.turn > 0]
     return {
-        "wall_s": round(wall, 1),
-        "turns": len(ttfts),
+        "wall_s": round(gen.wall_s, 1),
+        "turns": len(samples),
         "ttft_mean_ms": round(1000 * statistics.mean(every), 1),
         "ttft_p99_ms": round(1000 * pct(every, 99), 1),
         "later_turns_ttft_mean_ms": round(1000 * statistics.mean(later), 1),
@@ -114,38 +92,21 @@ async def chats(url: str, model: str, args: argparse.Namespace) -> dict:
     }
 
 
-async def degrading(
-    url: str, tok: GGUFTokenizer, model: str, args: argparse.Namespace, slo: SloConfig, stop: float
-) -> dict:
+async def degrading(url: str, model: str, args: argparse.Namespace, slo: SloConfig, stop: float) -> dict:
     """Poisson arrivals at `--rate` per second for `--seconds` (open loop: a slow worker's requests do
     not hold the arrivals back), every request waited for, while worker 1 slows down until it is
     stopped `stop` of the time."""
     t = slo.targets(Priority.NORMAL)
-    rng = random.Random(7)
-    tasks: list[asyncio.Task[Result]] = []
     period = 0.1  # the duty cycle's (DutyCycle's PERIOD_S)
     cycle = DutyCycle(
         worker_pid(url, 1), lambda s: 0.0 if s < args.calm else stop * period * min(1.0, (s - args.calm) / args.ramp)
     )
-    t0, wall0 = time.perf_counter(), time.time()
+    # ~64-token prompts (48 words), 96 tokens out, greedy, EOS ignored; Poisson arrivals for `--seconds`.
+    how = {"arrivals": Arrivals.POISSON, "rate": args.rate, "seconds": args.seconds, "requests": 10**6}
+    work = Workload(prompt_words=[(48, 1.0)], output_tokens=[(96, 1.0)], seed=7, timeout_s=900.0, **how)  # type: ignore[arg-type]
+    wall0 = time.time()
     try:
-        async with client() as c:
-            next_at, n = 0.0, 0
-            while next_at < args.seconds:
-                await asyncio.sleep(max(0.0, next_at - (time.perf_counter() - t0)))
-                n += 1
-                body = {
-                    "model": model,
-                    "prompt": prompt_of(tok, 64, f"d{n}-{rng.random():.6f}"),
-                    "max_tokens": 96,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "return_token_ids": True,
-                }
-                tasks.append(asyncio.create_task(one(c, url, body, t0, "normal")))
-                next_at += rng.expovariate(args.rate)
-            results = list(await asyncio.gather(*tasks))
+        results = await LoadGenerator(url, work, model=model).run()
     finally:
         cycle.end()
     complete = [r for r in results if r.status == 200 and r.tokens == 96 and not r.error]
@@ -210,7 +171,6 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "routing.json"))
     args = p.parse_args()
     model_path = args.model or default_model_path()
-    tok = GGUFTokenizer.from_gguf(model_path)
     report: dict = {**run_info(args), "chat": {}, "degrading": {}}
     tmp = Path(tempfile.mkdtemp(prefix="bench-routing-"))
     slo = SloConfig()
@@ -235,7 +195,7 @@ def main() -> None:
                 server = serve(tmp, f"degrading-{stop}-{mode}", SCHEDULERS[mode], model_path)
                 try:
                     name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-                    runs[mode] = asyncio.run(degrading(server.url, tok, name, args, slo, stop))
+                    runs[mode] = asyncio.run(degrading(server.url, name, args, slo, stop))
                 finally:
                     server.stop()
                 print(f"stopped {stop:.0%}", mode, {k: v for k, v in runs[mode].items() if k != "health_events"})

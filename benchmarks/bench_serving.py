@@ -1,7 +1,8 @@
 """Serving benchmark: Steadfast through its HTTP API vs `transformers` batched generate, in one run.
 
-For each concurrency level, `concurrency` closed-loop clients stream chat completions (fixed output
-length, EOS ignored, temperature 0) until `requests` are done; we record TTFT and TPOT per request and
+For each concurrency level, `concurrency` closed-loop clients of the load generator (`steadfast bench`'s,
+`steadfast/ops/loadgen.py`) stream chat completions (fixed output length, EOS ignored, temperature 0)
+until `requests` are done; we record TTFT and TPOT per request and
 output tokens/s overall. The baseline runs the same prompts through `transformers` `generate` in
 batches of `concurrency` (left-padded, same dtype, same output length), timing its first token with a
 logits-processor hook. Results are printed as a markdown table and written as JSON.
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import pct, run_info  # noqa: E402
 from steadfast.config import default_model_path  # noqa: E402
+from steadfast.ops.loadgen import LoadGenerator, Workload  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
 TOPICS = [
@@ -54,51 +56,25 @@ def prompts(n: int) -> list[str]:
     return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})." for i in range(n)]
 
 
-def stream_body(model: str, prompt: str, max_tokens: int) -> dict:
-    """A streamed greedy chat completion of exactly `max_tokens` tokens (EOS ignored), usage at the end."""
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = stream_body(model, prompt, max_tokens)
-    start = time.perf_counter()
-    first = None
-    tokens = 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            # Parse as little as possible: the client shares the machine's two cores with the server.
-            if first is None and '"content":"' in line and '"content":""' not in line:
-                first = time.perf_counter()
-            elif '"usage":{' in line:
-                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    first = first or end
-    return {"ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "tokens": tokens, "e2e": end - start}
-
-
 async def load(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int) -> dict:
-    todo = list(enumerate(prompts(n_requests)))
-    results: list[dict] = []
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-
-        async def worker() -> None:
-            while todo:
-                _, prompt = todo.pop(0)
-                results.append(await one_request(client, url, model, prompt, max_tokens))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return summarize(results, wall)
+    """`concurrency` closed-loop clients of the project's load generator (`steadfast bench`'s) stream
+    greedy chat completions of exactly `max_tokens` tokens (EOS ignored) until `n_requests` are done."""
+    work = Workload(
+        concurrency=concurrency,
+        requests=n_requests,
+        output_tokens=[(max_tokens, 1.0)],
+        chat=True,
+        prompts=tuple(prompts(n_requests)),
+    )
+    gen = LoadGenerator(url, work, model=model)
+    samples = await gen.run()
+    failed = [s.error or f"HTTP {s.status}" for s in samples if not s.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(samples)} requests failed: {failed[:3]}")
+    results = [
+        {"ttft": s.ttft or 0.0, "tpot": s.tpot or 0.0, "tokens": s.tokens, "e2e": s.end - s.sent} for s in samples
+    ]
+    return summarize(results, gen.wall_s)
 
 
 def summarize(results: list[dict], wall: float) -> dict:

@@ -39,10 +39,12 @@ def workload(args: argparse.Namespace) -> Workload:
         concurrency=args.concurrency,
         rate=args.rate,
         requests=args.requests,
+        seconds=args.seconds,
         prompt_words=parse_mix(args.prompt_words),
         output_tokens=parse_mix(args.output_tokens),
         priorities=parse_mix(args.priorities, str) if args.priorities else [],
         turns=args.turns,
+        system_words=args.system_words,
         chat=args.chat,
         temperature=args.temperature,
         ignore_eos=not args.no_ignore_eos,
@@ -170,10 +172,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: clients (default %(default)s)")
     p.add_argument("--rate", type=float, default=4.0, help="poisson: arrivals per second (default %(default)s)")
     p.add_argument("--requests", type=int, default=64, help="sessions per round (default %(default)s)")
+    p.add_argument("--seconds", type=float, default=0.0, help="> 0: start no session after this long, a round")
     p.add_argument("--prompt-words", default="64", help="length mix, e.g. 32:0.5,256:0.5 (default %(default)s)")
     p.add_argument("--output-tokens", default="128", help="length mix (default %(default)s)")
     p.add_argument("--priorities", default="", help="Steadfast's priority mix, e.g. high:0.1,normal:0.7,low:0.2")
     p.add_argument("--turns", type=int, default=1, help=">1: multi-turn chat sessions (default %(default)s)")
+    p.add_argument("--system-words", type=int, default=0, help="chats open with a system prompt this long")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests end at EOS")

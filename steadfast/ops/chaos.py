@@ -31,6 +31,8 @@ PROMPTS = [
     "Give advice to someone learning to cook for the first time.",
 ]
 STREAM_DEADLINE_S = 300.0
+REFUSED = (429, 503)  # admission refusals that say when to come back (Retry-After)
+MAX_RETRY_AFTER_S = 5.0
 
 
 class Scenario(enum.StrEnum):
@@ -56,6 +58,7 @@ class Stream:
     finish: str | None = None
     error: str = ""
     reconnects: int = 0
+    refusals: int = 0  # 429/503 at admission, each waited out (Retry-After) and sent again
 
     @property
     def longest_gap(self) -> float:
@@ -83,6 +86,11 @@ def stream(url: str, model: str, prompt: str, tokens: int, priority: str = "norm
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=30) as r:
                 if r.status_code != 200:
                     r.read()
+                    if r.status_code in REFUSED and "retry-after" in r.headers:
+                        # Not accepted (the ladder or a queue bound): a polite client waits and asks again.
+                        s.refusals += 1
+                        time.sleep(min(MAX_RETRY_AFTER_S, max(0.1, float(r.headers["retry-after"]))))
+                        continue
                     if r.status_code < 500:
                         s.error = f"{r.status_code}: {r.text[:200]}"
                         break
@@ -226,4 +234,5 @@ def compare(clean: list[Stream], faulted: list[Stream]) -> dict[str, Any]:
         "longest_gap_ms": round(1000 * max(s.longest_gap for s in faulted), 1),
         "clean_longest_gap_ms": round(1000 * max(s.longest_gap for s in clean), 1),
         "reconnects": sum(s.reconnects for s in faulted),
+        "refusals": sum(s.refusals for s in faulted),
     }

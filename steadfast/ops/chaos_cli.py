@@ -32,6 +32,7 @@ COMMON = (
     "longest_gap_ms",
     "clean_longest_gap_ms",
     "reconnects",
+    "refusals",
     "takeovers",
     "adopted_tokens",
     "recomputed_tokens",

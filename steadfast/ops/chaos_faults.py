@@ -128,11 +128,13 @@ class Drain(Fault):
 
 class SlowWorker(Fault):
     """The busiest worker slowed for real: SIGSTOP/SIGCONT every 100 ms, stopped for a share of each
-    period that grows from 10 % to 80 % over `--stop-seconds` and stays there until the streams end.
+    period that grows from 10 % to 80 % over `--stop-seconds` (the clients sending their prompts again
+    meanwhile, so that the whole slowdown happens under load) and stays there until the streams end.
     The health check should see its trend and move low-priority work away (the figures say whether it
     did: it judges a trend against a baseline of `health.baseline_s`); every stream must stay exact."""
 
     PERIOD_S = 0.1
+    closed_loop = True
 
     def __init__(self, r: Rehearsal) -> None:
         super().__init__(r)
@@ -152,8 +154,8 @@ class SlowWorker(Fault):
         self.worker = w["id"]
         self.thread = threading.Thread(target=self._cycle, args=(w["pid"],), daemon=True)
         self.thread.start()
-        grow = self.r.stop_s
-        return f"worker {w['id']} (pid {w['pid']}) stopped 10 % → 80 % of every 100 ms over {grow:g}s"
+        self.done.wait(self.r.stop_s)  # the ramp, under load
+        return f"worker {w['id']} (pid {w['pid']}) stopped 10 % → 80 % of every 100 ms over {self.r.stop_s:g}s"
 
     def _cycle(self, pid: int) -> None:
         t0 = time.monotonic()
@@ -252,9 +254,9 @@ class BreakTransfer(Fault):
 
 
 class Overload(Fault):
-    """A burst of low-priority streams (`--burst`) arrives mid-run: the ladder must climb and shed or cap
-    the burst at admission, the checked streams (high priority) must go on exactly, and no request it
-    accepted may break."""
+    """A burst of low-priority streams (`--burst`) arrives mid-run: more than the service admits, so part
+    of it is refused at admission (by the ladder, or by the bound on queued low-priority requests), the
+    checked streams (high priority) must go on exactly, and no request it accepted may break."""
 
     priority = "high"
 
@@ -287,7 +289,7 @@ class Overload(Fault):
         self.top = max((c["new"] for c in history if c["at"] >= self.since), default=0)
 
     def happened(self, report: dict[str, Any], migrations: list[dict[str, Any]]) -> bool:
-        return self.top >= 1
+        return self.top >= 1 or self._counts()["refused"] > 0  # more came than the service admits
 
     def _counts(self) -> dict[str, int]:
         refused = sum(1 for s in self.samples if s.status in (429, 503))

@@ -31,6 +31,7 @@ TEXT = (
     "could name the rock ahead before he could see it. "
 ).split()
 MAX_MIX = 16  # entries of a length or priority mix
+OPEN_LOOP_CONNECTIONS = 4096
 
 
 class Arrivals(enum.StrEnum):
@@ -66,10 +67,17 @@ class Workload:
     concurrency: int = 8  # closed loop: clients
     rate: float = 4.0  # open loop: arrivals per second
     requests: int = 64  # sessions to run (a session is one request, or `turns` of a chat)
+    # > 0: no session starts after this many seconds (closed loop: clients stop; open loop: arrivals
+    # end), `requests` being then at most; every session started is waited for.
+    seconds: float = 0.0
     prompt_words: list[tuple[int, float]] = field(default_factory=lambda: [(64, 1.0)])
     output_tokens: list[tuple[int, float]] = field(default_factory=lambda: [(128, 1.0)])
     priorities: list[tuple[str, float]] = field(default_factory=list)  # Steadfast's `priority`; empty: none sent
     turns: int = 1  # >1: chat sessions, each turn sending the whole history
+    # Fixed prompt texts instead of `prompt_words` of the built-in text: session k's turns send
+    # prompts[k % len(prompts)] (a benchmark's own prompts, the same for every server it compares).
+    prompts: tuple[str, ...] = ()
+    system_words: int = 0  # > 0: each chat session opens with a system message of its own, this many words
     chat: bool = False  # /v1/chat/completions (always for turns > 1) rather than /v1/completions
     temperature: float = 0.0
     ignore_eos: bool = True
@@ -77,8 +85,8 @@ class Workload:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.requests < 1 or self.turns < 1 or not self.rate > 0:
-            raise ValueError("concurrency, requests and turns must be >= 1 and rate > 0")
+        if self.concurrency < 1 or self.requests < 1 or self.turns < 1 or not self.rate > 0 or self.seconds < 0:
+            raise ValueError("concurrency, requests and turns must be >= 1, rate > 0 and seconds >= 0")
 
 
 @dataclass
@@ -119,9 +127,13 @@ class LoadGenerator:
         self.samples: list[Sample] = []
         self.on_sample: Callable[[Sample], None] | None = None  # progress
         self.wall_s = 0.0
+        self.in_flight = 0  # requests sent and not ended
 
     async def run(self) -> list[Sample]:
-        limits = httpx.Limits(max_connections=max(self.w.concurrency, 64) * 2, max_keepalive_connections=64)
+        # Open loop: requests in flight are not bounded by the clients, and one waiting for a connection
+        # of the pool would be timed as the server's delay.
+        most = max(self.w.concurrency, 64) * 2 if self.w.arrivals is Arrivals.CLOSED else OPEN_LOOP_CONNECTIONS
+        limits = httpx.Limits(max_connections=most, max_keepalive_connections=64)
         timeout = httpx.Timeout(self.w.timeout_s, connect=30.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=self.headers) as c:
             if not self.model:
@@ -129,21 +141,24 @@ class LoadGenerator:
                 r.raise_for_status()
                 self.model = r.json()["data"][0]["id"]
             rng = random.Random(self.w.seed)
-            plans = [(k, random.Random(rng.getrandbits(64))) for k in range(self.w.requests)]
+            # Session k's own generator, drawn in order: the same sessions whatever the timing.
+            plans = ((k, random.Random(rng.getrandbits(64))) for k in range(self.w.requests))
             t0 = time.perf_counter()
+            open_ = lambda at: not self.w.seconds or at < self.w.seconds  # noqa: E731 - may a session start at `at`
             if self.w.arrivals is Arrivals.CLOSED:
-                queue: asyncio.Queue[tuple[int, random.Random]] = asyncio.Queue()
-                for plan in plans:
-                    queue.put_nowait(plan)
 
                 async def client() -> None:
-                    while not queue.empty():
-                        await self._session(c, *queue.get_nowait(), t0)
+                    for plan in plans:  # one shared iterator: each session goes to one client
+                        if not open_(time.perf_counter() - t0):
+                            return
+                        await self._session(c, *plan, t0)
 
                 await asyncio.gather(*(client() for _ in range(self.w.concurrency)))
             else:
                 tasks, at = [], 0.0
                 for plan in plans:
+                    if not open_(at):
+                        break
                     await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
                     tasks.append(asyncio.create_task(self._session(c, *plan, t0)))
                     at += rng.expovariate(self.w.rate)
@@ -156,9 +171,15 @@ class LoadGenerator:
         priority = pick(w.priorities, rng) if w.priorities else ""
         chat = w.chat or w.turns > 1
         messages: list[dict[str, str]] = []
+        if w.system_words:
+            messages.append({"role": "system", "content": words(rng, w.system_words, f"system-{w.seed}-{k}")})
         for turn in range(w.turns):
-            n = pick(w.prompt_words, rng)
-            text = words(rng, n, f"s{w.seed}-{k}-{turn}")
+            if w.prompts:
+                text = w.prompts[k % len(w.prompts)]
+                n = len(text.split())
+            else:
+                n = pick(w.prompt_words, rng)
+                text = words(rng, n, f"s{w.seed}-{k}-{turn}")
             body: dict[str, Any] = {
                 "model": self.model,
                 "max_tokens": pick(w.output_tokens, rng),
@@ -187,6 +208,7 @@ class LoadGenerator:
     async def _one(self, c: httpx.AsyncClient, path: str, body: dict[str, Any], s: Sample, t0: float) -> str:
         start = time.perf_counter()
         last, text, usage = 0.0, [], None
+        self.in_flight += 1
         try:
             async with c.stream("POST", self.url + path, json=body) as r:
                 s.status = r.status_code
@@ -217,6 +239,8 @@ class LoadGenerator:
                     text.append(piece)
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             s.error = repr(exc)[:300]
+        finally:
+            self.in_flight -= 1
         if usage and usage.get("completion_tokens"):
             s.tokens = int(usage["completion_tokens"])  # a chunk may carry several tokens
         s.end = time.perf_counter() - t0

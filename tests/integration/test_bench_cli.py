@@ -55,6 +55,17 @@ def test_bench_compares_two_servers_in_alternating_rounds(tmp_path, small_model_
         assert ratios["output tokens/s"] == pytest.approx(b_rate / a_rate, rel=1e-2)
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
         assert report["workload"]["turns"] == 2 and report["workload"]["arrivals"] == "poisson"
+
+        # Bounded by time, not by count (a run of 100000 chats would not end): closed-loop chats with
+        # a system prompt each, no session started after one second, every one started waited for.
+        timed = tmp_path / "timed.json"
+        args = [sys.executable, "-m", "steadfast.ops.cli", "bench", "--url", a.url, "--rounds", "1"]
+        args += ["--requests", "100000", "--seconds", "1", "--concurrency", "2", "--turns", "2"]
+        args += ["--system-words", "40", "--prompt-words", "8", "--output-tokens", "8", "--fail-on-error"]
+        run = subprocess.run([*args, "--json", str(timed)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        total = json.loads(timed.read_text())["servers"]["A"]["total"]
+        assert 2 <= total["requests"] < 100 and total["failed"] == 0 and total["requests"] % 2 == 0, total
     finally:
         a.stop()
         b.stop()
