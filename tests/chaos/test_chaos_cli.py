@@ -27,6 +27,13 @@ SEPARATE = (
     [
         ("kill-router", CONFIG, (), lambda r: r["reconnects"] > 0),  # clients resumed with Last-Event-ID
         ("drain", TWO_WORKERS, (), lambda r: r["migrations"] > 0),  # requests migrated live
+        # The kvpool daemon killed and restarted; small grant batches make the worker need it again soon.
+        (
+            "kill-pool",
+            CONFIG.replace("kv_memory_mb: 128", "kv_memory_mb: 128, pool_grant_batch: 2"),
+            ("--tokens", "160"),
+            lambda r: r["takeovers"] == 0,
+        ),
         # `steadfast rollout` replaced every worker while the clients kept sending (closed loop), requests
         # migrated first.
         (
