@@ -114,7 +114,7 @@ class Ladder:
         if s.load >= c.load_enter:
             return Level.L2, f"load {s.load:.2f} >= {c.load_enter}"
         bar = c.ttft_enter * s.ttft_slo_ms
-        if s.predicted_ttft_ms >= bar:
+        if s.predicted_ttft_ms >= bar and self._busy(s):
             return Level.L1, f"predicted TTFT {s.predicted_ttft_ms:.0f} ms >= {bar:.0f} ms"
         if s.ttft_p99_ms >= bar:
             return Level.L1, f"observed TTFT p99 {s.ttft_p99_ms:.0f} ms >= {bar:.0f} ms"
@@ -132,9 +132,16 @@ class Ladder:
         if s.kv_use >= c.kv_exit or s.queued >= c.queue_exit or s.load >= c.load_exit:
             return Level.L2
         bar = c.ttft_exit * s.ttft_slo_ms
-        if s.predicted_ttft_ms >= bar or s.ttft_p99_ms >= bar:
+        if (s.predicted_ttft_ms >= bar and self._busy(s)) or s.ttft_p99_ms >= bar:
             return Level.L1
         return Level.L0
+
+    @staticmethod
+    def _busy(s: Snapshot) -> bool:
+        """Something queued or running. An idle server's predicted TTFT is its floor (a typical prompt's
+        prefill alone): admission control cannot lower it, so it neither raises nor holds L1 (on a slow
+        machine the floor can sit over `ttft_exit` x the target, and the ladder never came back to L0)."""
+        return s.queued > 0 or s.load > 0
 
     @staticmethod
     def _broken(s: Snapshot) -> bool:

@@ -66,6 +66,17 @@ def test_each_trigger_raises_its_level_at_once_and_says_why(signals, level, why)
     assert lad.level == level and change.signals["kv_use"] == snap(**signals).kv_use
 
 
+def test_an_idle_servers_predicted_ttft_neither_raises_nor_holds_l1():
+    # Nothing queued or running: the prediction is the floor, which admission control cannot lower.
+    lad, clock = ladder(min_dwell_s=1)
+    idle = snap(queued=0, load=0.0, predicted_ttft_ms=450, ttft_p99_ms=0.0)
+    assert lad.step(idle, rise_only=True) is None and lad.level == Level.L0
+    run(lad, clock, snap(predicted_ttft_ms=450), 2)  # busy: the same prediction enters L1
+    assert lad.level == Level.L1
+    run(lad, clock, idle, 3)
+    assert lad.level == Level.L0
+
+
 def test_a_broken_slo_escalates_one_level_per_interval_up_to_l4_and_severe_to_l5():
     lad, clock = ladder(escalate_after_s=2, min_dwell_s=2)
     broken = snap(predicted_ttft_ms=600, ttft_p99_ms=700)  # over the 500 ms target, not 3x
