@@ -8,6 +8,7 @@ the server's senders read at the start of every transfer) and with load of their
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import itertools
@@ -28,7 +29,7 @@ from steadfast.ops.loadgen import LoadGenerator, Sample, Workload
 ROLLOUT_WAIT_S = 900.0
 
 
-class Fault:
+class Fault(abc.ABC):
     """One named fault. `strike` acts (when the streams are `at` of their way, or before they start
     when `before_streams`) and says what it did; `settle` runs after the streams ended."""
 
@@ -39,15 +40,15 @@ class Fault:
     def __init__(self, r: Rehearsal) -> None:
         self.r = r
 
-    def strike(self) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def strike(self) -> str: ...
 
-    def settle(self) -> None:
+    def settle(self) -> None:  # noqa: B027 - most faults leave nothing to undo
         """Undo what is left of the fault, wait for its own load."""
 
+    @abc.abstractmethod
     def happened(self, report: dict[str, Any], migrations: list[dict[str, Any]]) -> bool:
         """Whether the fault really struck, from the rehearsal's report and the migrations it saw."""
-        raise NotImplementedError
 
     def figures(self) -> dict[str, Any]:
         """Figures of its own for the report."""
