@@ -69,6 +69,28 @@ def test_noise_of_a_steady_mean_is_no_trend():
     assert scores[990] < 0.8 * CFG.threshold, scores[990]
 
 
+def test_a_step_is_judged_by_its_level_not_projected_as_a_trend():
+    """20 ms, then 40 ms from t = 30 on and staying there (a neighbour started): 2x its baseline is
+    under the threshold by the level; the rise between the two halves of the trend window is no
+    trend within either, so nothing is projected ahead (the whole window's slope alone would be)."""
+    tpots = [0.02] * 30 + [0.04] * 30
+    assert first_crossing(CFG, tpots) is None
+    for t in range(30, 60):
+        assert delta_score(samples(tpots[: t + 1]), float(t), CFG).terms["tpot_slope_ms_per_s"] == 0.0
+
+
+def test_no_trend_is_projected_before_a_whole_window_of_tpot_history():
+    """A worker's first seconds of decoding (warming up, its first requests' prefill) are a transient:
+    the slope counts only once the TPOT samples cover `trend_s`."""
+    cfg = HealthConfig(interval_s=0.5, recent_s=3.0, baseline_s=30.0, min_baseline=6)  # known after 6 s
+    rising = [Sample(0.5 * k, 0.02 + 0.001 * k, 0, 0.3, 0, 0) for k in range(30)]
+    slope = {
+        x.at: delta_score(rising[: k + 1], x.at, cfg).terms.get("tpot_slope_ms_per_s") for k, x in enumerate(rising)
+    }
+    assert all(v == 0.0 for at, v in slope.items() if 6.0 <= at < 9.5), slope
+    assert all(v and v > 0 for at, v in slope.items() if at >= 9.5), slope
+
+
 def test_tpot_is_each_requests_time_per_token_and_its_p99_over_requests():
     # a: 10 tokens 20 ms apart, one gap a 200 ms spike (a prefill step): 38 ms a token, not 200.
     gaps = [(float(t), "a", 0.2 if t == 5 else 0.02) for t in range(10)]
