@@ -120,6 +120,13 @@ class ModelConfig:
     # row's result never depends on the rows computed with it, and a few rows cost about one; "torch":
     # torch's (BLAS) matmul.
     fp32_matmul: str = "auto"
+    # Linear weights: "native" computes with the GGUF's own Q4_1 / Q8_0 blocks where our kernel runs (CPU
+    # with AVX-512 and a C compiler): in bf16 for calls of at most `native_max_rows` rows (decode steps;
+    # bigger calls, prefill, use the dequantized weights), in fp32 for every call; "dequantized": always
+    # the dequantized weights, in `dtype`; "auto": native in bf16, dequantized in fp32 (the mode that is
+    # token-exact against `transformers`). Other GGUF types are always dequantized.
+    weights: str = "auto"
+    native_max_rows: int = 4
     # Workers of a node map the model read-only from one shared store (made by the first of them, in the
     # arena folder, content-hash checked on every map), instead of each loading its own copy.
     shared_weights: bool = True
@@ -138,6 +145,10 @@ class ModelConfig:
             raise ConfigError(f"model.decode_attention must be auto or torch, got {self.decode_attention!r}")
         if self.fp32_matmul not in ("auto", "torch"):
             raise ConfigError(f"model.fp32_matmul must be auto or torch, got {self.fp32_matmul!r}")
+        if self.weights not in ("auto", "native", "dequantized"):
+            raise ConfigError(f"model.weights must be auto, native or dequantized, got {self.weights!r}")
+        if self.native_max_rows < 0:
+            raise ConfigError("model.native_max_rows must be >= 0")
 
     @property
     def resolved_path(self) -> str:

@@ -16,9 +16,21 @@ import torch
 import torch.nn.functional as F
 
 from steadfast.kv.arena import KVArena
+from steadfast.model.gguf_file import GGUFTensor
 from steadfast.model.gguf_meta import LlamaConfig
 from steadfast.model.paged_attention import PagedAttention
+from steadfast.model.quant_matmul import QuantMatmul, QuantWeight
 from steadfast.model.rowwise_matmul import RowwiseMatmul
+
+
+@dataclass(frozen=True)
+class NativeWeights:
+    """The GGUF's own quantized weights by compute-layout name (`native_layout`), computed with for calls
+    of at most `max_rows` rows (a decode step reads 4.5 bits a weight instead of 16)."""
+
+    weights: dict[str, QuantWeight]
+    matmul: QuantMatmul
+    max_rows: int
 
 
 class Linear:
@@ -28,9 +40,17 @@ class Linear:
     1.5x (batch 64) to 2.6x (batch 1) faster, bit-identical results; that packed copy is the worker's own
     (oneDNN's opaque layout cannot live in a shared file). In fp32 on an AVX-512 CPU our row-wise kernel
     (`rowwise_matmul.py`): a row's result does not depend on the rows computed with it, and a batch of
-    decodes or a verification costs about what one row does (`model.fp32_matmul: torch`: BLAS)."""
+    decodes or a verification costs about what one row does (`model.fp32_matmul: torch`: BLAS). With
+    `native` (the GGUF's quantized weight, its kernel and a row limit) calls of up to that many rows use
+    the quantized weight (`quant_matmul.py`)."""
 
-    def __init__(self, weight_t: torch.Tensor, rowwise: RowwiseMatmul | None = None) -> None:
+    def __init__(
+        self,
+        weight_t: torch.Tensor,
+        rowwise: RowwiseMatmul | None = None,
+        native: tuple[QuantWeight, QuantMatmul, int] | None = None,
+    ) -> None:
+        self.native = native
         # fp32 on CPU: our row-wise kernel where it handles the weight (for every row count alike).
         self.rowwise = rowwise if rowwise is not None and rowwise.handles(weight_t) else None
         self.packed: torch.Tensor | None = None
@@ -41,7 +61,13 @@ class Linear:
                 self.packed = None
         self.weight_t = None if self.packed is not None else weight_t
 
+    def native_for(self, x: torch.Tensor) -> bool:
+        return self.native is not None and x.shape[0] <= self.native[2]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_for(x):
+            assert self.native is not None
+            return self.native[1](x, self.native[0])
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         assert self.weight_t is not None
@@ -59,8 +85,14 @@ class LMHead:
 
     PROBE_ROWS = 4
 
-    def __init__(self, weight_t: torch.Tensor, embed: torch.Tensor, rowwise: RowwiseMatmul | None = None) -> None:
-        self.linear = Linear(weight_t, rowwise)
+    def __init__(
+        self,
+        weight_t: torch.Tensor,
+        embed: torch.Tensor,
+        rowwise: RowwiseMatmul | None = None,
+        native: tuple[QuantWeight, QuantMatmul, int] | None = None,
+    ) -> None:
+        self.linear = Linear(weight_t, rowwise, native)
         self.rows_first: torch.Tensor | None = None
         if self.linear.rowwise is not None:
             return  # every row count on the one kernel: no other orientation to weigh
@@ -80,7 +112,7 @@ class LMHead:
         return best
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_first is not None and x.shape[0] > 1:
+        if self.rows_first is not None and x.shape[0] > 1 and not self.linear.native_for(x):
             return (self.rows_first @ x.t()).t()
         return self.linear(x)
 
@@ -170,6 +202,35 @@ def compute_layout(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[s
     return out
 
 
+def native_layout(tensors: list[GGUFTensor], cfg: LlamaConfig) -> dict[str, QuantWeight]:
+    """`compute_layout`'s linear weights (by its names) that can stay in the GGUF's blocks: each fused
+    projection whose parts all are of one type the kernel handles; the others are left out."""
+    by_name = {t.name: t for t in tensors}
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+
+    def rows(*names: str) -> QuantWeight | None:
+        parts = [by_name.get(n) for n in names]
+        if any(p is None or not QuantWeight.handles(p) for p in parts):
+            return None
+        weights = [QuantWeight.of(p, heads.get(n.split(".")[-2], 0)) for n, p in zip(names, parts, strict=True)]
+        try:
+            return QuantWeight.stack(weights)
+        except ValueError:  # parts of different types: dequantized
+            return None
+
+    wanted = {"lm_head.t": ("output.weight",) if "output.weight" in by_name else ("token_embd.weight",)}
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        wanted |= {
+            f"{i}.qkv.t": (p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+            f"{i}.o.t": (p + "attn_output.weight",),
+            f"{i}.gate_up.t": (p + "ffn_gate.weight", p + "ffn_up.weight"),
+            f"{i}.down.t": (p + "ffn_down.weight",),
+        }
+    found = {name: rows(*parts) for name, parts in wanted.items()}
+    return {name: w for name, w in found.items() if w is not None}
+
+
 class LlamaModel:
     def __init__(
         self,
@@ -179,23 +240,28 @@ class LlamaModel:
         max_positions: int,
         paged: PagedAttention | None = None,
         rowwise: RowwiseMatmul | None = None,
+        native: NativeWeights | None = None,
     ):
-        """`layout`: `compute_layout`'s tensors (used as they are: never written)."""
+        """`layout`: `compute_layout`'s tensors (used as they are: never written); `native`: the GGUF's
+        quantized weights for small calls, where they are used."""
+
+        def linear(name: str) -> Linear:
+            return Linear(layout[name], rowwise, self._native(native, name))
         self.cfg = cfg
         self.paged = paged  # decode attention in place (the runner then builds PagedDecodes)
         self.dtype = dtype
         self.device = layout["embed"].device
         self.embed = layout["embed"]
-        self.lm_head = LMHead(layout["lm_head.t"], layout["embed"], rowwise)
+        self.lm_head = LMHead(layout["lm_head.t"], layout["embed"], rowwise, self._native(native, "lm_head.t"))
         self.final_norm = layout["final_norm"]
         self.layers = [
             (
                 layout[f"{i}.attn_norm"],
-                Linear(layout[f"{i}.qkv.t"], rowwise),
-                Linear(layout[f"{i}.o.t"], rowwise),
+                linear(f"{i}.qkv.t"),
+                linear(f"{i}.o.t"),
                 layout[f"{i}.ffn_norm"],
-                Linear(layout[f"{i}.gate_up.t"], rowwise),
-                Linear(layout[f"{i}.down.t"], rowwise),
+                linear(f"{i}.gate_up.t"),
+                linear(f"{i}.down.t"),
             )
             for i in range(cfg.num_layers)
         ]
@@ -205,6 +271,11 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device, dtype)  # [positions, head_dim]
         self.sin = emb.sin().to(self.device, dtype)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def _native(native: NativeWeights | None, name: str) -> tuple[QuantWeight, QuantMatmul, int] | None:
+        weight = native.weights.get(name) if native is not None else None
+        return (weight, native.matmul, native.max_rows) if native is not None and weight is not None else None
 
     def _verify_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, g: VerifyGroup) -> torch.Tensor:
         """The verifying requests' rows, `[rows, heads * dim]` in flat-batch order."""

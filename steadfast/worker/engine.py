@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,10 +25,10 @@ from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.spec import arena_spec
 from steadfast.kv.tier import TierFile
-from steadfast.model import paged_attention, rowwise_matmul
+from steadfast.model import paged_attention, quant_matmul, rowwise_matmul
 from steadfast.model.gguf_loader import load_weights
 from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, read_config
-from steadfast.model.llama import LlamaModel, compute_layout
+from steadfast.model.llama import LlamaModel, NativeWeights, compute_layout, native_layout
 from steadfast.model.store import open_layout
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.protocol import AddRequest, Degrade, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
@@ -102,7 +103,18 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
     if cfg.model.fp32_matmul == "auto" and dtype == torch.float32 and device == "cpu":
         rowwise = rowwise_matmul.load()
         log.info("fp32 matmuls: %s", "row-wise kernel" if rowwise is not None else "torch")
-    model = LlamaModel(model_cfg, layout, dtype, max_positions=limit, paged=paged, rowwise=rowwise)
+    native = None
+    wanted = cfg.model.weights == "native" or (cfg.model.weights == "auto" and dtype == torch.bfloat16)
+    if wanted and device == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        matmul = quant_matmul.load()
+        weights = native_layout(reader.tensors, model_cfg) if matmul is not None else {}
+        if matmul is not None and weights:
+            # In fp32 every call: the kernel's rows are batch-invariant and its weights exact (BLAS's
+            # would be the same values, summed in another order).
+            rows = sys.maxsize if dtype == torch.float32 else cfg.model.native_max_rows
+            native = NativeWeights(weights, matmul, rows)
+        log.info("native quantized weights: %d of the linear weights", len(weights))
+    model = LlamaModel(model_cfg, layout, dtype, max_positions=limit, paged=paged, rowwise=rowwise, native=native)
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
 
 

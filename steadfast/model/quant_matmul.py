@@ -1,0 +1,110 @@
+"""Linear layers over the GGUF's own quantized weights (`csrc/quant_matmul.c`, AVX-512): Q4_1 and Q8_0
+rows dequantized on the fly, so a decode step reads the 4.5 or 8.5 bits a weight the file stores instead
+of bf16's 16 (the default SmolLM2 file: Q4_1 layers, a Q8_0 embedding that is also the LM head).
+
+A `QuantWeight` is a list of row addresses into the mapped file, not a copy: fused projections and
+llama.cpp's Q/K row order (`gguf_loader.unpermute_qk`) are row lists, and every process that maps the
+file shares its page-cache pages. The kernel's result for a row does not depend on the other rows of
+its call. Other GGUF types are not handled here (the model keeps dequantized weights for them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from steadfast.model.gguf_file import GGUFTensor
+from steadfast.model.gguf_loader import unpermute_qk
+from steadfast.model.kernels import load_library
+
+SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
+TYPES = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """`[out_features, in_features]` in blocks: `rows[n]` is the address of output row n's blocks."""
+
+    qtype: gguf.GGMLQuantizationType
+    in_features: int
+    rows: torch.Tensor  # int64 [out_features] addresses
+    keep: tuple[np.ndarray, ...]  # the mapped tensors the addresses point into (kept alive)
+
+    @property
+    def out_features(self) -> int:
+        return self.rows.shape[0]
+
+    @staticmethod
+    def handles(tensor: GGUFTensor) -> bool:
+        return tensor.tensor_type in TYPES and len(tensor.shape) == 2 and tensor.shape[0] % 32 == 0
+
+    @classmethod
+    def of(cls, tensor: GGUFTensor, permute_heads: int = 0) -> QuantWeight:
+        """One GGUF tensor's rows, in llama.cpp's Q/K order undone when `permute_heads` (its head count)."""
+        data = tensor.data
+        if not data.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"{tensor.name}: rows not contiguous in the file")
+        order = np.arange(data.shape[0])
+        if permute_heads:
+            order = unpermute_qk(order.reshape(-1, 1), permute_heads).reshape(-1)
+        rows = data.ctypes.data + order.astype(np.int64) * data.strides[0]
+        return cls(tensor.tensor_type, int(tensor.shape[0]), torch.from_numpy(rows), (data,))
+
+    @classmethod
+    def stack(cls, parts: list[QuantWeight]) -> QuantWeight:
+        """The parts' rows one after another (a fused projection); all of one type and width."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.in_features != first.in_features for p in parts):
+            raise ValueError("fused weights must share a type and an input width")
+        keep = tuple(a for p in parts for a in p.keep)
+        return cls(first.qtype, first.in_features, torch.cat([p.rows for p in parts]), keep)
+
+
+class QuantMatmul:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.quant_matmul
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [
+            ctypes.c_void_p,  # x
+            ctypes.c_long,  # x row stride, elements
+            ctypes.c_void_p,  # row addresses
+            ctypes.c_int,  # GGML type
+            ctypes.c_void_p,  # y [m, N], written
+            ctypes.c_long,  # m
+            ctypes.c_long,  # K
+            ctypes.c_long,  # N
+            ctypes.c_int,  # bf16 (else fp32)
+            ctypes.c_int,  # threads
+        ]
+
+    def __call__(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        """`x @ w.T` for x `[..., K]` fp32 or bf16 on the CPU, in x's dtype."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"quantized matmul takes fp32 or bf16, not {x.dtype}")
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        m, k = rows.shape
+        if k != w.in_features:
+            raise ValueError(f"x has {k} columns, the weight {w.in_features}")
+        y = torch.empty((m, w.out_features), dtype=x.dtype)
+        if m:
+            bf16 = int(x.dtype == torch.bfloat16)
+            threads = torch.get_num_threads()
+            args = (rows.data_ptr(), rows.stride(0), w.rows.data_ptr(), int(w.qtype), y.data_ptr(), m, k)
+            rc = self._fn(*args, w.out_features, bf16, threads)
+            if rc != 0:
+                raise RuntimeError(f"quantized matmul failed (code {rc})")
+        return y.reshape(*lead, w.out_features)
+
+
+def load() -> QuantMatmul | None:
+    """The kernel, or None where it cannot run here (no compiler, no AVX-512)."""
+    lib = load_library(SOURCE, "quantized matmul", "quant_matmul_supported")
+    return QuantMatmul(lib) if lib is not None else None
