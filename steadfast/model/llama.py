@@ -20,6 +20,7 @@ from steadfast.model.gguf_file import GGUFTensor
 from steadfast.model.gguf_meta import LlamaConfig
 from steadfast.model.paged_attention import PagedAttention
 from steadfast.model.quant_matmul import QuantMatmul, QuantWeight
+from steadfast.model.rms_norm import AddRMSNorm
 from steadfast.model.rowwise_matmul import RowwiseMatmul
 
 
@@ -241,14 +242,17 @@ class LlamaModel:
         paged: PagedAttention | None = None,
         rowwise: RowwiseMatmul | None = None,
         native: NativeWeights | None = None,
+        norm: AddRMSNorm | None = None,
     ):
         """`layout`: `compute_layout`'s tensors (used as they are: never written); `native`: the GGUF's
         quantized weights for small calls, where they are used."""
 
         def linear(name: str) -> Linear:
             return Linear(layout[name], rowwise, self._native(native, name))
+
         self.cfg = cfg
         self.paged = paged  # decode attention in place (the runner then builds PagedDecodes)
+        self.norm = norm  # the residual add and RMSNorm of bf16 rows in one kernel call
         self.dtype = dtype
         self.device = layout["embed"].device
         self.embed = layout["embed"]
@@ -307,6 +311,14 @@ class LlamaModel:
         out = self._scratch[:need].view(rows.numel(), flat.shape[1])
         return torch.index_select(flat, 0, rows, out=out)
 
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """`x += delta` in place (the residual add), then x normalised and scaled by `weight`."""
+        if self.norm is not None and self.norm.handles(x):
+            return self.norm(x, delta, weight, self.cfg.rms_norm_eps)
+        if delta is not None:
+            x.add_(delta)
+        return self._rms_norm(x, weight)
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalised in fp32, scaled in the model dtype: the same rounding points as the reference.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
@@ -337,9 +349,10 @@ class LlamaModel:
         kv_size = cfg.num_kv_heads * cfg.head_dim
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        x = self.embed[input_ids]  # x: [tokens, hidden]
+        x = self.embed[input_ids]  # x: [tokens, hidden], a copy: the residual stream, added to in place
+        delta = None  # what the last layer adds to x (added by the next norm)
         for index, (attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
-            h = self._rms_norm(x, attn_norm)
+            h = self._add_norm(x, delta, attn_norm)
             qkv = w_qkv(h)
             # Q and K heads side by side get RoPE in one pass: [tokens, heads + kv_heads, dim]
             qk = self._rope(
@@ -355,12 +368,11 @@ class LlamaModel:
             if on_layer is not None:
                 on_layer(index)
             attn = self._attention(q, k, v, kv_cache, batch)
-            x = x + w_o(attn)
-            h = self._rms_norm(x, ffn_norm)
+            h = self._add_norm(x, w_o(attn), ffn_norm)
             gate, up = w_gate_up(h).chunk(2, dim=-1)
-            x = x + w_down(F.silu(gate) * up)
-        x = self._rms_norm(x[sample_rows], self.final_norm)
-        return self.lm_head(x).float()
+            delta = w_down(F.silu(gate) * up)
+        last = None if delta is None else delta[sample_rows]
+        return self.lm_head(self._add_norm(x[sample_rows], last, self.final_norm)).float()
 
     def _attention(
         self,
