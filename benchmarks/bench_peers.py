@@ -109,6 +109,7 @@ async def load(url: str, concurrency: int, requests: int, max_tokens: int) -> di
         output_tokens=[(max_tokens, 1.0)],
         chat=True,
         prompts=tuple(prompts(requests)),
+        retry_refused=True,  # Steadfast's admission control may refuse at first; the peers queue everything
     )
     gen = LoadGenerator(url, work, model=model)
     samples = await gen.run()
@@ -119,7 +120,7 @@ async def load(url: str, concurrency: int, requests: int, max_tokens: int) -> di
     if short:
         raise RuntimeError(f"{len(short)} requests did not get {max_tokens} tokens (EOS not ignored?): {short[:5]}")
     rows = [{"ttft": s.ttft or 0.0, "tpot": s.tpot or 0.0, "tokens": s.tokens, "e2e": s.end - s.sent} for s in samples]
-    return summarize(rows, gen.wall_s)
+    return summarize(rows, gen.wall_s) | {"refusals": sum(s.refusals for s in samples)}
 
 
 def measure(peer: Peer, args: argparse.Namespace) -> dict[int, dict]:

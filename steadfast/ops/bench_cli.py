@@ -49,6 +49,7 @@ def workload(args: argparse.Namespace) -> Workload:
         temperature=args.temperature,
         ignore_eos=not args.no_ignore_eos,
         seed=args.seed,
+        retry_refused=args.retry_refused,
     )
 
 
@@ -181,6 +182,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests end at EOS")
+    p.add_argument(
+        "--retry-refused", action="store_true", help="send a request refused for load (429/503) again after Retry-After"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="", help="the model name to send (default: the server's first)")
     p.add_argument("--api-key", default="", help="Bearer key (default: STEADFAST_API_KEY)")

@@ -83,6 +83,9 @@ class Workload:
     ignore_eos: bool = True
     seed: int = 0
     timeout_s: float = 600.0
+    # A request refused for load (429 or 503 with Retry-After: Steadfast's admission control) is sent again
+    # after that delay, as a patient client would, up to REFUSALS times; its TTFT counts from the first send.
+    retry_refused: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.requests < 1 or self.turns < 1 or not self.rate > 0 or self.seconds < 0:
@@ -102,6 +105,7 @@ class Sample:
     ttft: float | None = None
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # between consecutive chunks that carried text
+    refusals: int = 0  # times it was refused for load and sent again (`Workload.retry_refused`)
     end: float = 0.0  # seconds since the run began
 
     @property
@@ -207,44 +211,70 @@ class LoadGenerator:
 
     async def _one(self, c: httpx.AsyncClient, path: str, body: dict[str, Any], s: Sample, t0: float) -> str:
         start = time.perf_counter()
-        last, text, usage = 0.0, [], None
+        text: list[str] = []
         self.in_flight += 1
         try:
-            async with c.stream("POST", self.url + path, json=body) as r:
-                s.status = r.status_code
-                if r.status_code != 200:
-                    s.error = (await r.aread()).decode(errors="replace")[:300]
-                    return ""
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        s.error = str(chunk["error"].get("message", chunk["error"]))[:300]
+            while True:
+                async with c.stream("POST", self.url + path, json=body) as r:
+                    s.status = r.status_code
+                    if r.status_code == 200:
+                        await self._read(r, s, start, text)
                         break
-                    usage = chunk.get("usage") or usage
-                    piece = "".join(
-                        (ch.get("delta", {}).get("content") or "") if "delta" in ch else (ch.get("text") or "")
-                        for ch in chunk.get("choices") or []
-                    )
-                    if not piece:
-                        continue
-                    now = time.perf_counter()
-                    if s.ttft is None:
-                        s.ttft = now - start
-                    else:
-                        s.gaps.append(now - last)
-                    last = now
-                    s.tokens += 1
-                    text.append(piece)
+                    error = (await r.aread()).decode(errors="replace")[:300]
+                    wait = retry_after(r) if self.w.retry_refused and s.refusals < REFUSALS else None
+                    if wait is None:
+                        s.error = error
+                        return ""
+                s.refusals += 1
+                await asyncio.sleep(wait)
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             s.error = repr(exc)[:300]
         finally:
             self.in_flight -= 1
-        if usage and usage.get("completion_tokens"):
-            s.tokens = int(usage["completion_tokens"])  # a chunk may carry several tokens
         s.end = time.perf_counter() - t0
         return "".join(text)
+
+    @staticmethod
+    async def _read(r: httpx.Response, s: Sample, start: float, text: list[str]) -> None:
+        """A 200 answer's stream: its text pieces into `text`, each one's arrival into `s`."""
+        last, usage = 0.0, None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                s.error = str(chunk["error"].get("message", chunk["error"]))[:300]
+                break
+            usage = chunk.get("usage") or usage
+            piece = "".join(
+                (ch.get("delta", {}).get("content") or "") if "delta" in ch else (ch.get("text") or "")
+                for ch in chunk.get("choices") or []
+            )
+            if not piece:
+                continue
+            now = time.perf_counter()
+            if s.ttft is None:
+                s.ttft = now - start
+            else:
+                s.gaps.append(now - last)
+            last = now
+            s.tokens += 1
+            text.append(piece)
+        if usage and usage.get("completion_tokens"):
+            s.tokens = int(usage["completion_tokens"])  # a chunk may carry several tokens
+
+
+REFUSALS = 20  # times one request is sent again after a refusal for load (`Workload.retry_refused`)
+
+
+def retry_after(r: httpx.Response) -> float | None:
+    """Seconds to wait before sending a request refused for load again; None if it was not such a refusal."""
+    if r.status_code not in (429, 503):
+        return None
+    try:
+        return min(30.0, max(0.05, float(r.headers.get("retry-after", ""))))
+    except ValueError:
+        return None
 
 
 def percentile(values: list[float], q: float) -> float:
