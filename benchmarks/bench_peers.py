@@ -4,14 +4,16 @@ tokens (EOS ignored), temperature 0, at each concurrency level; `--rounds` round
 servers reversed each round (these machines drift: compare within a round, as ratios).
 
 Servers, each where given (`../shared/design/PEERS.md` says how to build or install them):
-- Steadfast as `make serve` ships it (no config: bf16, ledger, standby), and any other checkout of it
-  (`--steadfast NAME=DIR`, e.g. a worktree of an earlier commit: "no regression against ...");
+- Steadfast as `make serve` ships it (no config: bf16, ledger, standby, admission control), the same
+  with settings of its own (`--variant NAME=YAML`), and any other checkout of it (`--steadfast
+  NAME=DIR`, e.g. a worktree of an earlier commit: "no regression against ...");
 - llama.cpp's `llama-server` (`--llama-server PATH`), on the GGUF itself, two threads, restarted at each
   level with `--parallel` = the level (its slots keep state between runs);
 - vLLM's CPU build (`--vllm-python PATH` of its venv, `--vllm-model DIR`: a Hugging Face-style copy of the
   model, made from the GGUF with `--make-vllm-model DIR`), bf16.
 
     python benchmarks/bench_peers.py --concurrency 1 8 32 --rounds 2 \\
+        --variant "ladder off=degradation: {enabled: false}" \\
         --steadfast base=/tmp/wt-132b2ce --llama-server PATH/llama-server \\
         --vllm-python PATH/bin/python --vllm-model /tmp/smollm2-hf
 """
@@ -52,6 +54,7 @@ class Peer:
     command: list[str] = field(default_factory=list)  # a non-Steadfast server's ({port}, {level}, {ctx})
     env: dict[str, str] = field(default_factory=dict)
     code_dir: str = ""  # Steadfast: the checkout to serve ("" this one)
+    config: str = "{}\n"  # Steadfast: its settings (none: the shipped defaults)
     per_level: bool = False
     ready_s: float = 600.0
 
@@ -63,7 +66,7 @@ class Peer:
     def serving(self, level: int) -> Iterator[str]:
         if self.steadfast:
             tmp = Path(tempfile.mkdtemp(prefix=f"peers-{self.name}-"))
-            server = ServerProcess(tmp, "{}\n", code_dir=self.code_dir)  # no settings: the shipped defaults
+            server = ServerProcess(tmp, self.config, code_dir=self.code_dir)
             try:
                 server.wait_ready(self.ready_s)
                 yield server.url
@@ -161,6 +164,9 @@ def make_vllm_model(target: str) -> None:
 
 def peers(args: argparse.Namespace) -> list[Peer]:
     found = [Peer("steadfast")]
+    for spec in args.variant:
+        name, _, yaml = spec.partition("=")
+        found.append(Peer(f"steadfast [{name}]", config=yaml + "\n"))
     for spec in args.steadfast:
         name, _, folder = spec.partition("=")
         found.append(Peer(f"steadfast [{name}]", code_dir=str(Path(folder).resolve())))
@@ -206,6 +212,9 @@ def main() -> None:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--threads", type=int, default=2, help="the peers' CPU threads (Steadfast sizes its own)")
     p.add_argument("--steadfast", action="append", default=[], metavar="NAME=DIR", help="another checkout")
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=YAML", help="this checkout with these settings"
+    )
     p.add_argument("--llama-server", default="", metavar="PATH")
     p.add_argument("--vllm-python", default="", metavar="PATH")
     p.add_argument("--vllm-model", default="", metavar="DIR")

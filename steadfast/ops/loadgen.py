@@ -213,9 +213,17 @@ class LoadGenerator:
         start = time.perf_counter()
         text: list[str] = []
         self.in_flight += 1
+        stale = 0  # sends lost on a kept-alive connection the server had closed (no answer at all)
         try:
             while True:
-                async with c.stream("POST", self.url + path, json=body) as r:
+                try:
+                    r = await c.send(c.build_request("POST", self.url + path, json=body), stream=True)
+                except httpx.RemoteProtocolError:
+                    if stale:
+                        raise
+                    stale += 1  # the server closed an idle connection as it was reused: send once more
+                    continue
+                try:
                     s.status = r.status_code
                     if r.status_code == 200:
                         await self._read(r, s, start, text)
@@ -225,6 +233,8 @@ class LoadGenerator:
                     if wait is None:
                         s.error = error
                         return ""
+                finally:
+                    await r.aclose()
                 s.refusals += 1
                 await asyncio.sleep(wait)
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
