@@ -39,10 +39,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serving import prompts, summarize  # noqa: E402
+from benchmarks.bench_serving import load as serving_load  # noqa: E402
 from benchmarks.common import run_info  # noqa: E402
 from steadfast.config import default_model_path  # noqa: E402
-from steadfast.ops.loadgen import LoadGenerator, Workload  # noqa: E402
 from tests.integration.server import ServerProcess, free_port  # noqa: E402
 
 
@@ -105,25 +104,10 @@ class Peer:
 
 
 async def load(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    """`bench_serving`'s closed loop, patient with refusals for load (Steadfast's admission control may
+    refuse at first; the peers queue everything)."""
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    work = Workload(
-        concurrency=concurrency,
-        requests=requests,
-        output_tokens=[(max_tokens, 1.0)],
-        chat=True,
-        prompts=tuple(prompts(requests)),
-        retry_refused=True,  # Steadfast's admission control may refuse at first; the peers queue everything
-    )
-    gen = LoadGenerator(url, work, model=model)
-    samples = await gen.run()
-    failed = [s.error or f"HTTP {s.status}" for s in samples if not s.ok]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {len(samples)} requests failed: {failed[:3]}")
-    short = [s.tokens for s in samples if s.tokens != max_tokens]
-    if short:
-        raise RuntimeError(f"{len(short)} requests did not get {max_tokens} tokens (EOS not ignored?): {short[:5]}")
-    rows = [{"ttft": s.ttft or 0.0, "tpot": s.tpot or 0.0, "tokens": s.tokens, "e2e": s.end - s.sent} for s in samples]
-    return summarize(rows, gen.wall_s) | {"refusals": sum(s.refusals for s in samples)}
+    return await serving_load(url, model, concurrency, requests, max_tokens, retry_refused=True)
 
 
 def measure(peer: Peer, args: argparse.Namespace) -> dict[int, dict]:

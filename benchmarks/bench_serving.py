@@ -56,25 +56,32 @@ def prompts(n: int) -> list[str]:
     return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})." for i in range(n)]
 
 
-async def load(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int) -> dict:
+async def load(
+    url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, retry_refused: bool = False
+) -> dict:
     """`concurrency` closed-loop clients of the project's load generator (`steadfast bench`'s) stream
-    greedy chat completions of exactly `max_tokens` tokens (EOS ignored) until `n_requests` are done."""
+    greedy chat completions of exactly `max_tokens` tokens (EOS ignored) until `n_requests` are done;
+    `retry_refused`: a request refused for load is sent again after its Retry-After (counted)."""
     work = Workload(
         concurrency=concurrency,
         requests=n_requests,
         output_tokens=[(max_tokens, 1.0)],
         chat=True,
         prompts=tuple(prompts(n_requests)),
+        retry_refused=retry_refused,
     )
     gen = LoadGenerator(url, work, model=model)
     samples = await gen.run()
     failed = [s.error or f"HTTP {s.status}" for s in samples if not s.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(samples)} requests failed: {failed[:3]}")
+    short = [s.tokens for s in samples if s.tokens != max_tokens]
+    if short:
+        raise RuntimeError(f"{len(short)} requests did not get {max_tokens} tokens (EOS not ignored?): {short[:5]}")
     results = [
         {"ttft": s.ttft or 0.0, "tpot": s.tpot or 0.0, "tokens": s.tokens, "e2e": s.end - s.sent} for s in samples
     ]
-    return summarize(results, gen.wall_s)
+    return summarize(results, gen.wall_s) | {"refusals": sum(s.refusals for s in samples)}
 
 
 def summarize(results: list[dict], wall: float) -> dict:

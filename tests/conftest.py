@@ -51,6 +51,14 @@ PROMPTS = [
 ]
 
 
+def kernel_or_skip(load: Callable[[], object | None], what: str):  # noqa: ANN201 - the kernel's own type
+    """A C kernel (`load()` of its module), or the test skipped where it does not run here."""
+    k = load()
+    if k is None:
+        pytest.skip(f"the {what} kernel does not run here (no C compiler or no AVX-512)")
+    return k
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     return default_model_path()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from steadfast.model import paged_attention
+from tests.conftest import kernel_or_skip
 
 pytestmark = pytest.mark.unit
 
@@ -19,10 +20,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = paged_attention.load()
-    if k is None:
-        pytest.skip("the paged-attention kernel does not run here (no AVX-512 or no C compiler)")
-    return k
+    return kernel_or_skip(paged_attention.load, "paged-attention")
 
 
 def reference(q, kv, tables, lens):

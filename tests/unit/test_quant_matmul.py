@@ -14,16 +14,14 @@ from steadfast.model.gguf_loader import _dequantize, unpermute_qk
 from steadfast.model.gguf_meta import read_config
 from steadfast.model.llama import native_layout
 from steadfast.model.quant_matmul import QuantWeight
+from tests.conftest import kernel_or_skip
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = quant_matmul.load()
-    if k is None:
-        pytest.skip("the quantized kernel does not run here (no C compiler or no AVX-512)")
-    return k
+    return kernel_or_skip(quant_matmul.load, "quantized matmul")
 
 
 @pytest.fixture(scope="module")

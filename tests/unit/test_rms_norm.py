@@ -8,16 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from steadfast.model import rms_norm
+from tests.conftest import kernel_or_skip
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = rms_norm.load()
-    if k is None:
-        pytest.skip("the rms norm kernel does not run here (no C compiler or no AVX-512)")
-    return k
+    return kernel_or_skip(rms_norm.load, "rms norm")
 
 
 def torch_path(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
