@@ -123,8 +123,9 @@ class ModelConfig:
     # Linear weights: "native" computes with the GGUF's own Q4_1 / Q8_0 blocks where our kernel runs (CPU
     # with AVX-512 and a C compiler): in bf16 for calls of at most `native_max_rows` rows (decode steps;
     # bigger calls, prefill, use the dequantized weights), in fp32 for every call; "dequantized": always
-    # the dequantized weights, in `dtype`; "auto": native in bf16, dequantized in fp32 (the mode that is
-    # token-exact against `transformers`). Other GGUF types are always dequantized.
+    # the dequantized weights, in `dtype`; "auto": native in bf16 where the CPU has AVX512-VNNI and VBMI
+    # (the kernel's integer path), dequantized in fp32 (the mode that is token-exact against
+    # `transformers`). Other GGUF types are always dequantized.
     weights: str = "auto"
     native_max_rows: int = 4
     # Workers of a node map the model read-only from one shared store (made by the first of them, in the

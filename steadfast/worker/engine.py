@@ -108,6 +108,8 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
     if wanted and device == "cpu" and dtype in (torch.float32, torch.bfloat16):
         matmul = quant_matmul.load()
         weights = native_layout(reader.tensors, model_cfg) if matmul is not None else {}
+        if matmul is not None and dtype == torch.bfloat16 and not matmul.int8 and cfg.model.weights == "auto":
+            weights = {}  # bf16 computed as fp32 by the kernel: slower than oneDNN's bf16 matmuls
         if matmul is not None and weights:
             # In fp32 every call: the kernel's rows are batch-invariant and its weights exact (BLAS's
             # would be the same values, summed in another order).

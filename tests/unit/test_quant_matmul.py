@@ -1,12 +1,15 @@
 """The quantized-weight kernel (`model/quant_matmul.py`) on the default model's own GGUF blocks: in fp32
-the dequantized weights' products to rounding, in bf16 within bf16's rounding, a row's result the same
-bits alone or among others, fused projections and llama.cpp's Q/K row order as row lists."""
+the dequantized weights' products to rounding, in bf16 within bf16's rounding (the integer path's two
+int8 digits of x too), a row's result the same bits alone or among others, fused projections and
+llama.cpp's Q/K row order as row lists."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import quants
 
 from steadfast.model import quant_matmul
 from steadfast.model.gguf_file import GGUFFile
@@ -62,6 +65,24 @@ def test_a_rows_result_does_not_depend_on_the_rows_computed_with_it(kernel, gguf
         together = kernel(x[:count], w)
         for i in range(count):
             assert torch.equal(together[i], alone[i][0]), (count, i)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7])
+def test_every_count_of_blocks_a_row(kernel, qtype, blocks):
+    """The kernel reads blocks in groups (4 of Q4_1, 2 of Q8_0); a row's last group may be short."""
+    k, n = 32 * blocks, 9
+    dense_w = np.random.default_rng(blocks).standard_normal((n, k)).astype(np.float32)
+    packed = np.ascontiguousarray(quants.quantize(dense_w, qtype))
+    w = QuantWeight(qtype, k, torch.from_numpy(packed.ctypes.data + np.arange(n) * packed.strides[0]), (packed,))
+    ref_w = torch.from_numpy(quants.dequantize(packed, qtype)).double()
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(blocks))
+    want = x.double() @ ref_w.t()
+    assert (kernel(x, w).double() - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    xb = x.bfloat16()
+    want_b = xb.double() @ ref_w.t()
+    got_b = kernel(xb, w).double()
+    assert ((got_b - want_b).abs() <= want_b.abs() * 2**-8 + 1e-4 * want_b.abs().max()).all()
 
 
 def test_fused_projections_are_the_parts_rows_in_order(kernel, gguf, model_path):

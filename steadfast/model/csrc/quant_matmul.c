@@ -4,17 +4,18 @@
  * projection (Q|K|V, gate|up) and llama.cpp's Q/K row permutation are lists of pointers into the
  * mapped GGUF file: no copy of the weights, and every worker of a host reads the same page-cache pages.
  *
- * Each weight row is dequantized once per call into a buffer (the same fp32 values gguf's numpy
- * dequantization gives: d * q + m, rounded in that order), then dotted with every row of x. A dot sums
- * its products in one fixed order (16 lanes over k, then a fixed pairwise reduction) whatever the
- * number of rows of x, their grouping or the thread count: a row's result does not depend on the rows
- * computed with it (batch-invariant by construction).
+ * fp32 x: each weight row is dequantized once per call into a buffer (the same fp32 values gguf's numpy
+ * dequantization gives: d * q + m, rounded in that order), then dotted with every row of x, its products
+ * summed in one fixed order (16 lanes over k, then a fixed pairwise reduction). bf16 x: integer dot
+ * products over the blocks (below); where the CPU lacks AVX512-VNNI/VBMI, as fp32.
  *
- * x is fp32 or bf16 (converted to fp32 once per call), y is written in x's type (bf16 rounded to
- * nearest even, as torch does). K must be a multiple of 32. */
+ * Either way a row's result does not depend on the number of rows of x, their grouping or the thread
+ * count (batch-invariant by construction). y is written in x's type (bf16 rounded to nearest even, as
+ * torch does). K must be a multiple of 32. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum { TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* GGML's type ids */
 enum { BLOCK = 32 };
@@ -87,89 +88,200 @@ static void dots(int rows, const float *w, const float *x, long K, void *y, long
     }
 }
 
-/* --- bf16 x: sum_i x_i (d q_i + m) = d * sum_i x_i q_i + m * sum_i x_i per block, the first sum with
- * AVX512-BF16 dot products (q is exact in bf16: 0..15, or -128..127 for Q8_0; products exact in fp32,
- * summed in fp32): more precise than a matmul over bf16-rounded dequantized weights, and it reads each
- * weight's 4.5 bits once. */
-#ifdef __AVX512BF16__
-/* The 32 q values of a block as bf16, in element order (pairs for the dot product). */
-static inline __m512i q4_1_bf16(const uint8_t *blk) {
-    static const uint16_t table[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-                                       0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-    const __m512i lut = _mm512_loadu_si512(table);
-    const __m128i low = _mm_set1_epi8(0x0F);
-    __m128i q = _mm_loadu_si128((const __m128i *)(blk + 4));
-    __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-    __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
-    return _mm512_permutexvar_epi16(idx, lut);
-}
+/* --- bf16 x, with AVX512-VNNI and VBMI: integer dot products, as llama.cpp does on the CPU, but with x
+ * kept to 16 bits. Each 32-value block of an x row is scaled by its largest magnitude and written as two
+ * int8 digits, x = dx * (256 a + b) (|a| <= 127, b the rounded rest), ~15 bits relative to the block's
+ * largest value: near the bf16 input's own precision, where one int8 digit (llama.cpp's Q8_1) loses ~1 %
+ * of a projection and flipped greedy tokens in the checks. Per weight block, d_w dx (256 sum q a + sum q b)
+ * in exact int32 sums (vpdpbusd), + m_w sum x for Q4_1 (the sum of the bf16 values, in fp32).
+ *
+ * The blocks are read where the GGUF keeps them (20 bytes a Q4_1 block, 34 a Q8_0 one): two overlapping
+ * 64-byte loads and one byte permutation gather four Q4_1 blocks' nibbles (two Q8_0 blocks' bytes), one
+ * word permutation their fp16 scales. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define VNNI 1
+#define INLINE static inline __attribute__((always_inline))
+enum { ROWS = 4 };            /* x rows sharing one pass over a weight row */
+enum { G4 = 384, G8 = 192 }; /* bytes of prepared x per 4 Q4_1 blocks / 2 Q8_0 blocks */
 
-static inline __m512i q8_0_bf16(const uint8_t *blk) {
-    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-    return (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a: elements 0..15, b: 16..31 */
-}
+/* Byte and word permutations picking blocks out of [w[0..63], w[16..79]] (Q4_1) or [w[0..63], w[4..67]]
+ * (Q8_0). Filled once when the library loads. */
+static int8_t NIB_IDX[64], Q8_IDX[64];
+static int16_t Q4_SCALE_IDX[32], Q8_SCALE_IDX[32];
 
-/* Output n of `R` rows of x (bf16, row stride ldx; their per-block sums in sx, row stride nb). */
-#define DEF_BF16(R)                                                                                  \
-    static inline void bf16_##R(const uint8_t *w, int type, const uint16_t *x, long ldx, const float *sx, \
-                                long nb, uint16_t *y, long ldy) {                                     \
-        __m512 acc[R];                                                                               \
-        float macc[R];                                                                               \
-        for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = 0.0f; }               \
-        long size = type == TYPE_Q4_1 ? 20 : 34;                                                     \
-        for (long b = 0; b < nb; b++) {                                                              \
-            const uint8_t *blk = w + b * size;                                                       \
-            __m512i q = type == TYPE_Q4_1 ? q4_1_bf16(blk) : q8_0_bf16(blk);                         \
-            __m512 d = _mm512_set1_ps(half_to_float(blk));                                           \
-            float m = type == TYPE_Q4_1 ? half_to_float(blk + 2) : 0.0f;                             \
-            for (int r = 0; r < R; r++) {                                                            \
-                __m512i xv = _mm512_loadu_si512(x + r * ldx + b * BLOCK);                            \
-                __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q, (__m512bh)xv);       \
-                acc[r] = _mm512_fmadd_ps(dot, d, acc[r]);                                            \
-                macc[r] += m * sx[r * nb + b];                                                       \
-            }                                                                                        \
-        }                                                                                            \
-        for (int r = 0; r < R; r++) y[r * ldy] = float_to_bf16(_mm512_reduce_add_ps(acc[r]) + macc[r]); \
+__attribute__((constructor)) static void init_tables(void) {
+    for (int b = 0; b < 4; b++) {
+        for (int j = 0; j < 16; j++) {
+            int at = 20 * b + 4 + j;
+            NIB_IDX[16 * b + j] = (int8_t)(at < 64 ? at : 64 + at - 16);
+        }
+        Q4_SCALE_IDX[b] = (int16_t)(10 * b);         /* d of block b */
+        Q4_SCALE_IDX[4 + b] = (int16_t)(10 * b + 1); /* m of block b */
     }
-DEF_BF16(1) DEF_BF16(2) DEF_BF16(3) DEF_BF16(4) DEF_BF16(5) DEF_BF16(6) DEF_BF16(7) DEF_BF16(8)
+    for (int b = 0; b < 2; b++)
+        for (int j = 0; j < 32; j++) {
+            int at = 34 * b + 2 + j;
+            Q8_IDX[32 * b + j] = (int8_t)(at < 64 ? at : 64 + at - 4);
+        }
+    Q8_SCALE_IDX[1] = 17;
+}
 
-static void bf16_rows(int rows, const uint8_t *w, int type, const uint16_t *x, long ldx, const float *sx, long nb,
-                      uint16_t *y, long ldy) {
+/* One block of 32 x values: its two int8 digits (q[0..31] a, q[32..63] b), dx and the values' sum. */
+static void split_block(const float *x, int8_t *q, float *dx, float *sum) {
+    __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    for (int h = 0; h < 2; h++) {
+        __m512 scaled = _mm512_mul_ps(v[h], inv), hi = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT);
+        __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, hi), _mm512_set1_ps(256.0f)));
+        _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(hi)));
+        _mm_storeu_si128((__m128i *)(q + 32 + 16 * h), _mm512_cvtsepi32_epi8(_mm512_max_epi32(lo, _mm512_set1_epi32(-127))));
+    }
+    *dx = amax / (127.0f * 256.0f);
+    *sum = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+}
+
+/* An x row (K fp32 values) laid out for `type`'s groups of blocks. Q4_1, per 4 blocks: a of the first
+ * 16 values of each block [64], a of the last 16 [64], b likewise [64][64] (a byte's low nibble is a
+ * block's value j, its high one value j + 16), dx 4x per block [16 fp32], the sums in lanes 4..7 [16 fp32]
+ * (beside m_w in the scale vector). Q8_0, per 2 blocks: a [64], b [64], dx 8x per block [16 fp32]. */
+static void prepare(const float *x, long K, int type, uint8_t *out) {
+    long nb = K / BLOCK, per = type == TYPE_Q4_1 ? G4 : G8, width = type == TYPE_Q4_1 ? 4 : 2;
+    memset(out, 0, ((nb + width - 1) / width) * per);
+    for (long b = 0; b < nb; b++) {
+        uint8_t *g = out + (b / width) * per;
+        int j = (int)(b % width);
+        int8_t q[64];
+        float dx, sum;
+        split_block(x + b * BLOCK, q, &dx, &sum);
+        if (type == TYPE_Q4_1) {
+            for (int part = 0; part < 4; part++) memcpy(g + 64 * part + 16 * j, q + 16 * part, 16);
+            for (int l = 0; l < 4; l++) ((float *)(g + 256))[4 * j + l] = dx;
+            ((float *)(g + 320))[4 + j] = sum;
+        } else {
+            memcpy(g + 32 * j, q, 32);
+            memcpy(g + 64 + 32 * j, q + 32, 32);
+            for (int l = 0; l < 8; l++) ((float *)(g + 128))[8 * j + l] = dx;
+        }
+    }
+}
+
+static inline __mmask64 first_bytes(long n) { return n >= 64 ? ~0ULL : n <= 0 ? 0 : (1ULL << n) - 1; }
+
+/* R prepared x rows (stride `per`) against one Q4_1 weight row of nb blocks: out[r]. */
+INLINE void dot_q4_1(const uint8_t *w, long nb, const uint8_t *px, long per, int R, float *out) {
+    const __m512i nidx = _mm512_loadu_si512(NIB_IDX), sidx = _mm512_loadu_si512(Q4_SCALE_IDX);
+    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROWS], macc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (long g = 0; g < (nb + 3) / 4; g++) {
+        const uint8_t *blk = w + g * 80;
+        long bytes = 20 * (nb - 4 * g); /* the last group may hold fewer than 4 blocks: masked */
+        __m512i A = _mm512_maskz_loadu_epi8(first_bytes(bytes), blk);
+        __m512i B = _mm512_maskz_loadu_epi8(first_bytes(bytes - 16), blk + 16);
+        __m512i q = _mm512_permutex2var_epi8(A, nidx, B);
+        __m512 dm = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(sidx, A)));
+        __m512 dw = _mm512_permutexvar_ps(lanes, dm);
+        __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = px + r * per + g * G4;
+            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(p));
+            a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(p + 64));
+            __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(p + 128));
+            b = _mm512_dpbusd_epi32(b, hi, _mm512_loadu_si512(p + 192));
+            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b));
+            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_loadu_ps((const float *)(p + 256))), acc[r]);
+            macc[r] = _mm512_fmadd_ps(dm, _mm512_loadu_ps((const float *)(p + 320)), macc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(macc[r]);
+}
+
+/* The same for Q8_0: signed weights, so |q| (unsigned) against x with q's sign. */
+INLINE void dot_q8_0(const uint8_t *w, long nb, const uint8_t *px, long per, int R, float *out) {
+    const __m512i qidx = _mm512_loadu_si512(Q8_IDX), sidx = _mm512_loadu_si512(Q8_SCALE_IDX);
+    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (long g = 0; g < (nb + 1) / 2; g++) {
+        const uint8_t *blk = w + g * 68;
+        long bytes = 34 * (nb - 2 * g);
+        __m512i A = _mm512_maskz_loadu_epi8(first_bytes(bytes), blk);
+        __m512i B = _mm512_maskz_loadu_epi8(first_bytes(bytes - 4), blk + 4);
+        __m512i q = _mm512_permutex2var_epi8(A, qidx, B);
+        __m512 dw = _mm512_permutexvar_ps(lanes, _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(sidx, A))));
+        __mmask64 neg = _mm512_movepi8_mask(q);
+        __m512i mag = _mm512_abs_epi8(q);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = px + r * per + g * G8;
+            __m512i xa = _mm512_loadu_si512(p), xb = _mm512_loadu_si512(p + 64);
+            __m512i a = _mm512_dpbusd_epi32(zero, mag, _mm512_mask_sub_epi8(xa, neg, zero, xa));
+            __m512i b = _mm512_dpbusd_epi32(zero, mag, _mm512_mask_sub_epi8(xb, neg, zero, xb));
+            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b));
+            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_loadu_ps((const float *)(p + 128))), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+#define DEF_INT8(R)                                                                                  \
+    static void int8_##R(const uint8_t *w, int type, long nb, const uint8_t *px, long per, float *out) { \
+        if (type == TYPE_Q4_1) dot_q4_1(w, nb, px, per, R, out);                                     \
+        else dot_q8_0(w, nb, px, per, R, out);                                                       \
+    }
+DEF_INT8(1) DEF_INT8(2) DEF_INT8(3) DEF_INT8(4)
+
+static void int8_rows(int rows, const uint8_t *w, int type, long nb, const uint8_t *px, long per, float *out) {
     switch (rows) {
-    case 1: bf16_1(w, type, x, ldx, sx, nb, y, ldy); break;
-    case 2: bf16_2(w, type, x, ldx, sx, nb, y, ldy); break;
-    case 3: bf16_3(w, type, x, ldx, sx, nb, y, ldy); break;
-    case 4: bf16_4(w, type, x, ldx, sx, nb, y, ldy); break;
-    case 5: bf16_5(w, type, x, ldx, sx, nb, y, ldy); break;
-    case 6: bf16_6(w, type, x, ldx, sx, nb, y, ldy); break;
-    case 7: bf16_7(w, type, x, ldx, sx, nb, y, ldy); break;
-    default: bf16_8(w, type, x, ldx, sx, nb, y, ldy); break;
+    case 1: int8_1(w, type, nb, px, per, out); break;
+    case 2: int8_2(w, type, nb, px, per, out); break;
+    case 3: int8_3(w, type, nb, px, per, out); break;
+    default: int8_4(w, type, nb, px, per, out); break;
     }
 }
 
-static int matmul_bf16(const uint16_t *x, long ldx, const uint8_t *const *rows, int type, uint16_t *y, long m,
+static int matmul_int8(const uint16_t *x, long ldx, const uint8_t *const *rows, int type, uint16_t *y, long m,
                        long K, long N, int threads) {
     long nb = K / BLOCK;
-    float *sx = malloc(sizeof(float) * m * nb); /* each row's sum over each block, for the m term */
-    if (sx == NULL) return -2;
-    for (long i = 0; i < m; i++)
-        for (long b = 0; b < nb; b++) {
-            const uint16_t *src = x + i * ldx + b * BLOCK;
-            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
-            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 16))), 16));
-            sx[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    long per = type == TYPE_Q4_1 ? (nb + 3) / 4 * G4 : (nb + 1) / 2 * G8;
+    uint8_t *px = aligned_alloc(64, per * m);
+    float *xf = malloc(sizeof(float) * K);
+    if (px == NULL || xf == NULL) {
+        free(px);
+        free(xf);
+        return -2;
+    }
+    for (long i = 0; i < m; i++) {
+        for (long k = 0; k < K; k += 16) {
+            __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * ldx + k)));
+            _mm512_storeu_ps(xf + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
         }
+        prepare(xf, K, type, px + i * per);
+    }
+    free(xf);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n++)
-        for (long i = 0; i < m; i += 8) {
-            int r = m - i < 8 ? (int)(m - i) : 8;
-            bf16_rows(r, rows[n], type, x + i * ldx, ldx, sx + i * nb, nb, y + i * N + n, N);
+        for (long i = 0; i < m; i += ROWS) {
+            int r = m - i < ROWS ? (int)(m - i) : ROWS;
+            float out[ROWS];
+            int8_rows(r, rows[n], type, nb, px + i * per, per, out);
+            for (int j = 0; j < r; j++) y[(i + j) * N + n] = float_to_bf16(out[j]);
         }
-    free(sx);
+    free(px);
     return 0;
 }
 #endif
+
+/* Whether bf16 x takes the integer path (else it is computed as fp32). */
+int quant_matmul_int8(void) {
+#ifdef VNNI
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+#else
+    return 0;
+#endif
+}
 
 int quant_matmul_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
@@ -180,8 +292,8 @@ int quant_matmul_supported(void) {
 int quant_matmul(const void *x, long ldx, const uint8_t *const *rows, int type, void *y, long m, long K, long N,
                  int bf16, int threads) {
     if (m < 1 || K < BLOCK || K % BLOCK || N < 1 || (type != TYPE_Q4_1 && type != TYPE_Q8_0)) return -1;
-#ifdef __AVX512BF16__
-    if (bf16) return matmul_bf16((const uint16_t *)x, ldx, rows, type, (uint16_t *)y, m, K, N, threads);
+#ifdef VNNI
+    if (bf16) return matmul_int8((const uint16_t *)x, ldx, rows, type, (uint16_t *)y, m, K, N, threads);
 #endif
     float *xf = malloc(sizeof(float) * m * K);
     if (xf == NULL) return -2;
