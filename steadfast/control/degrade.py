@@ -98,7 +98,9 @@ class Degradation:
     ladder: Ladder = field(init=False)
     latencies: dict[Priority, Latencies] = field(init=False)
     _unplaced: dict[str, Queued] = field(default_factory=dict)
-    _observed: tuple[float, float] = (0.0, 0.0)  # TTFT, TPOT p99 (ms) of the protected priorities at the last tick
+    # TTFT, TPOT p99 (ms) of the protected priorities at the last tick: over the window, and over what
+    # the current level admitted (TTFT) or saw finish (TPOT).
+    _observed: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     _orders: Degrade = field(default_factory=Degrade)
     # Predictions corrected by what was measured (the machine's other load, what arrives later).
     ttft_model: Calibration = field(default_factory=Calibration)
@@ -177,13 +179,17 @@ class Degradation:
             tpot_p99_ms=self._observed[1],
             ttft_slo_ms=normal.ttft_ms.p99,
             tpot_slo_ms=normal.tpot_ms.p99,
+            level_ttft_p99_ms=self._observed[2],
+            level_tpot_p99_ms=self._observed[3],
         )
 
     def _observe_windows(self) -> None:
-        now = time.monotonic()
-        ttft = max(self.latencies[p].ttft.percentile(0.99, now) for p in PROTECTED)
-        tpot = max(self.latencies[p].tpot.percentile(0.99, now) for p in PROTECTED)
-        self._observed = (1000 * ttft, 1000 * tpot)
+        now, since = time.monotonic(), self.ladder.since
+
+        def p99(kind: str, since: float) -> float:
+            return 1000 * max(getattr(self.latencies[p], kind).percentile(0.99, now, since) for p in PROTECTED)
+
+        self._observed = (p99("ttft", -math.inf), p99("tpot", -math.inf), p99("ttft", since), p99("tpot", since))
 
     # --- admission -----------------------------------------------------------------------------
     def plan(self, request_id: str, priority: Priority, prompt_tokens: int, output_tokens: int) -> Plan:
@@ -286,7 +292,8 @@ class Degradation:
 
     # --- the request's life (serving.Generation) -----------------------------------------------
     def first_token(self, request_id: str, priority: Priority, seconds: float) -> None:
-        self.latencies[priority].ttft.add(seconds, time.monotonic())
+        now = time.monotonic()
+        self.latencies[priority].ttft.add(seconds, now, origin=now - seconds)  # of the level it was admitted at
         if request_id in self._predicted:
             self.ttft_model.learn(self._predicted[request_id][0], seconds)
 

@@ -4,8 +4,9 @@ Pure (a clock is passed in): `Ladder.step(snapshot)` moves the level and returns
 Levels rise at once when a signal crosses its enter threshold (at admission too: a burst must meet
 the level it causes, not the one of half a second ago), and fall one level at a time, only after the
 level has been held `min_dwell_s` and every signal is below its exit threshold. L4 and L5 are reached
-by escalation: an SLO still broken after `escalate_after_s` at a level takes it one up (L1 → L4), and
-L4 becomes L5 when the breakage is severe (`breaker_factor` x the target). So one noisy signal moves
+by escalation: an SLO still broken after `escalate_after_s` at a level — by the requests that level
+admitted — takes it one up (L1 → L4), and L4 becomes L5 when the breakage is severe (`breaker_factor`
+x the target). So one noisy signal moves
 the level at most twice per dwell time.
 """
 
@@ -58,9 +59,23 @@ class Snapshot:
     tpot_p99_ms: float
     ttft_slo_ms: float
     tpot_slo_ms: float
+    # The same p99s over only what the current level admitted (TTFT) or saw finish (TPOT): whether
+    # the SLO is still broken *at this level*, which escalation asks (a burst before the level was
+    # entered stays in the window for `window_s` and would otherwise climb the ladder on its own).
+    # None: as the window's.
+    level_ttft_p99_ms: float | None = None
+    level_tpot_p99_ms: float | None = None
+
+    @property
+    def level_ttft_ms(self) -> float:
+        return self.ttft_p99_ms if self.level_ttft_p99_ms is None else self.level_ttft_p99_ms
+
+    @property
+    def level_tpot_ms(self) -> float:
+        return self.tpot_p99_ms if self.level_tpot_p99_ms is None else self.level_tpot_p99_ms
 
     def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 3) for k, v in asdict(self).items()}
+        return {k: round(v, 3) for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -145,11 +160,11 @@ class Ladder:
 
     @staticmethod
     def _broken(s: Snapshot) -> bool:
-        return s.ttft_p99_ms > s.ttft_slo_ms or s.tpot_p99_ms > s.tpot_slo_ms
+        return s.level_ttft_ms > s.ttft_slo_ms or s.level_tpot_ms > s.tpot_slo_ms
 
     def _severe(self, s: Snapshot) -> bool:
         f = self.cfg.breaker_factor
-        return s.ttft_p99_ms >= f * s.ttft_slo_ms or s.tpot_p99_ms >= f * s.tpot_slo_ms
+        return s.level_ttft_ms >= f * s.ttft_slo_ms or s.level_tpot_ms >= f * s.tpot_slo_ms
 
     # --- moving --------------------------------------------------------------------------------
     def step(self, s: Snapshot, rise_only: bool = False) -> LevelChange | None:
@@ -178,9 +193,8 @@ class Ladder:
 
     @staticmethod
     def _slo(s: Snapshot) -> str:
-        return (
-            f"TTFT p99 {s.ttft_p99_ms:.0f}/{s.ttft_slo_ms:.0f} ms, TPOT p99 {s.tpot_p99_ms:.0f}/{s.tpot_slo_ms:.0f} ms"
-        )
+        ttft, tpot = f"{s.level_ttft_ms:.0f}/{s.ttft_slo_ms:.0f}", f"{s.level_tpot_ms:.0f}/{s.tpot_slo_ms:.0f}"
+        return f"TTFT p99 {ttft} ms, TPOT p99 {tpot} ms"
 
     def set(self, level: Level | None, s: Snapshot) -> LevelChange | None:
         """An operator's level (held until set back to None: the controller resumes from it)."""

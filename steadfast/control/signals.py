@@ -17,14 +17,15 @@ WINDOW_CAP = 50_000
 
 
 class Window:
-    """Values observed over the last `span` seconds."""
+    """Values observed over the last `span` seconds, each with the time its story began (`origin`: a
+    TTFT's request was admitted then), so a percentile can be taken over what began after a moment."""
 
     def __init__(self, span: float, cap: int = WINDOW_CAP) -> None:
         self.span = span
-        self._items: deque[tuple[float, float]] = deque(maxlen=cap)
+        self._items: deque[tuple[float, float, float]] = deque(maxlen=cap)
 
-    def add(self, value: float, now: float) -> None:
-        self._items.append((now, value))
+    def add(self, value: float, now: float, origin: float | None = None) -> None:
+        self._items.append((now, value, now if origin is None else origin))
 
     def _trim(self, now: float) -> None:
         while self._items and self._items[0][0] < now - self.span:
@@ -34,12 +35,13 @@ class Window:
         self._trim(now)
         return len(self._items)
 
-    def percentile(self, q: float, now: float) -> float:
-        """The `q`-quantile (0..1) of the values in the window by nearest rank; 0 when it is empty."""
+    def percentile(self, q: float, now: float, since: float = -math.inf) -> float:
+        """The `q`-quantile (0..1) of the values in the window that began at or after `since`, by
+        nearest rank; 0 when there are none."""
         self._trim(now)
-        if not self._items:
+        values = sorted(v for _, v, origin in self._items if origin >= since)
+        if not values:
             return 0.0
-        values = sorted(v for _, v in self._items)
         return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 

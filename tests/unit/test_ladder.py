@@ -9,6 +9,7 @@ import pytest
 
 from steadfast.config import DegradationConfig
 from steadfast.control.ladder import Ladder, Level, Snapshot
+from steadfast.control.signals import Window
 
 pytestmark = pytest.mark.unit
 
@@ -94,6 +95,32 @@ def test_a_broken_slo_escalates_one_level_per_interval_up_to_l4_and_severe_to_l5
     run(lad, clock, severe, 1.0)
     assert lad.level == Level.L5
     assert "SLO broken 3.0x" in lad.history[-1].reason
+
+
+def test_escalation_counts_only_what_the_current_level_admitted():
+    """A burst's slow first tokens stay in the window for `window_s`; the level they caused must not
+    climb on them while the requests it admitted meet the SLO (at c = 32 a cold start climbed L1 → L4
+    in 15 s this way, capping and refusing with every new request served in time)."""
+    lad, clock = ladder(escalate_after_s=2, min_dwell_s=2)
+    burst = snap(predicted_ttft_ms=600, ttft_p99_ms=760, level_ttft_p99_ms=760)
+    lad.step(burst)
+    assert lad.level == Level.L1
+    since_then = snap(predicted_ttft_ms=300, ttft_p99_ms=760, level_ttft_p99_ms=350)  # window still broken
+    run(lad, clock, since_then, 10.0)
+    assert lad.level == Level.L1  # held (observed p99 over its exit bar), never escalated
+    still = snap(predicted_ttft_ms=300, ttft_p99_ms=760, level_ttft_p99_ms=620)  # broken by its own
+    run(lad, clock, still, 2.5)
+    assert lad.level == Level.L2 and "TTFT p99 620/500" in lad.history[-1].reason
+
+
+def test_a_window_percentile_over_what_began_since_a_moment():
+    w = Window(10.0)
+    w.add(0.9, now=100.0, origin=99.1)  # admitted before 99.5
+    w.add(0.2, now=100.2, origin=100.0)
+    w.add(0.3, now=100.4, origin=100.1)
+    assert w.percentile(0.99, 100.5) == 0.9
+    assert w.percentile(0.99, 100.5, since=99.5) == 0.3
+    assert w.percentile(0.99, 100.5, since=101.0) == 0.0
 
 
 def test_the_level_comes_back_to_l0_one_step_per_dwell_when_load_subsides():
