@@ -103,6 +103,11 @@ class DegradationConfig:
     # `ttft_enter` x its TTFT p99 target (or the observed p99 does), left below `ttft_exit` x it.
     ttft_enter: float = 0.8
     ttft_exit: float = 0.5
+    # From L1, a new request predicted to wait more than `ttft_refuse` x its TTFT target (normal: p99,
+    # low: p50) for its first token is refused (429); one predicted between its target and that waits in
+    # its queue. A refused client waits Retry-After on top of the queue it would have waited behind, so
+    # refusing pays only for a queue well past the target, not for a burst drained just after it.
+    ttft_refuse: float = 2.0
     # L2 (speculative decoding off), the seed's rules: KV use, requests queued (service-wide), load
     # (a decode step's expected time over the TPOT p99 target, on the busiest worker).
     kv_enter: float = 0.85
@@ -144,6 +149,8 @@ class DegradationConfig:
         for name in ("interval_s", "window_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"degradation.{name} must be positive")
+        if self.ttft_refuse < 1:
+            raise ConfigError("degradation.ttft_refuse must be >= 1 (a request within its target is never refused)")
         if self.min_dwell_s < 0 or self.escalate_after_s < 0:
             raise ConfigError("degradation.min_dwell_s and escalate_after_s must be >= 0")
         for name in ("max_queued_high", "max_queued_normal", "max_queued_low", "max_tokens_cap", "retry_after_s"):

@@ -253,19 +253,20 @@ class Degradation:
     def _check_ttft(
         self, loads: list[WorkerLoad], priority: Priority, level: Level, prompt_tokens: int, predicted: float
     ) -> None:
-        """A request whose predicted TTFT breaks its target (low: its p50, giving way first; normal: p99).
-        A prompt that alone takes longer than the target is judged by what others add to it."""
+        """A request predicted to wait far past its TTFT target (low: its p50, giving way first; normal:
+        its p99): more than `ttft_refuse` x it. A prompt that alone takes longer than the target is judged
+        by what others add to it. Retry-After: until the queue ahead has drained to the target."""
         target = self.slo.targets(priority).ttft_ms
         bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000
         idle = [WorkerLoad(w.worker_id, w.base_s, w.token_s, w.kv_total, 0) for w in loads]
         bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority)[0])
-        if predicted > bar:
+        if predicted > self.cfg.ttft_refuse * bar:
             self._refuse(
                 priority,
                 429,
                 f"The service is overloaded (degradation level {int(level)}): a {priority.label}-priority "
-                f"request would wait about {predicted * 1000:.0f} ms for its first token, over its "
-                f"{bar * 1000:.0f} ms target. Retry later.",
+                f"request would wait about {predicted * 1000:.0f} ms for its first token, over "
+                f"{self.cfg.ttft_refuse:g} x its {bar * 1000:.0f} ms target. Retry later.",
                 max(1, math.ceil(predicted - bar)),
             )
 

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
+from steadfast.config_base import ConfigError
 from steadfast.control.degrade import Degradation, Sources
 from steadfast.control.delivery import Flight, Watermark
 from steadfast.control.errors import APIError
@@ -99,7 +100,7 @@ def test_each_priority_has_a_bounded_queue():
 def test_predicted_ttft_refuses_low_first_then_normal_and_never_high():
     s = Service()
     # 400 prompt tokens queued ahead: a new 64-token request is predicted at one step of 10 ms + 464 x
-    # 1 ms: L1 (over 0.8 x 500 ms), within normal's 500 ms target, over low's 200 ms.
+    # 1 ms: L1 (over 0.8 x 500 ms), within normal's 500 ms target, over 2 x low's 200 ms.
     s.flights.append(flight("n0", Priority.NORMAL, 400, 0))
     with pytest.raises(APIError) as low:
         s.admit(Priority.LOW)
@@ -107,15 +108,26 @@ def test_predicted_ttft_refuses_low_first_then_normal_and_never_high():
     assert "wait about" in low.value.message and int(low.value.headers["Retry-After"]) >= 1
     assert s.d.ladder.level >= Level.L1
     s.admit(Priority.NORMAL)
+    # 440 tokens queued: normal's ~514 ms is over its target but within ttft_refuse (2) x it: it waits.
+    lenient = Service()
+    lenient.flights = [flight("n0", Priority.NORMAL, 440, 0)]
+    assert 500 < lenient.admit(Priority.NORMAL).predicted_ttft_ms < 1000
+    with pytest.raises(ConfigError):
+        DegradationConfig(ttft_refuse=0.5)  # would refuse requests predicted within their target
+    strict = Service(ttft_refuse=1.0)
+    strict.flights = [flight("n0", Priority.NORMAL, 440, 0)]
+    with pytest.raises(APIError) as normal:
+        strict.admit(Priority.NORMAL)
+    assert "over 1 x its 500 ms target" in normal.value.message
     # 4 x 500 tokens queued: normal is refused too; high never (only high requests are ahead of it).
     s.flights = [flight(f"n{i}", Priority.NORMAL, 500, 0) for i in range(4)]
     with pytest.raises(APIError):
         s.admit(Priority.NORMAL)
     s.admit(Priority.HIGH)
-    # A shorter queue: normal's bar (TTFT p99 500 ms) passes, low's (p50 200 ms) does not.
+    # A shorter queue (~424 ms): normal's bar passes, low's (2 x its p50 200 ms) does not.
     s = Service()
     s.d.set_level(Level.L4)
-    s.flights = [flight("n", Priority.NORMAL, 300, 0)]
+    s.flights = [flight("n", Priority.NORMAL, 350, 0)]
     s.admit(Priority.NORMAL)
     with pytest.raises(APIError):
         s.admit(Priority.LOW)
