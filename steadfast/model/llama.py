@@ -21,6 +21,7 @@ from steadfast.model.gguf_meta import LlamaConfig
 from steadfast.model.paged_attention import PagedAttention
 from steadfast.model.quant_matmul import QuantMatmul, QuantWeight
 from steadfast.model.rms_norm import AddRMSNorm
+from steadfast.model.rope_kv import RopeKV
 from steadfast.model.rowwise_matmul import RowwiseMatmul
 
 
@@ -243,6 +244,7 @@ class LlamaModel:
         rowwise: RowwiseMatmul | None = None,
         native: NativeWeights | None = None,
         norm: AddRMSNorm | None = None,
+        rope_kv: RopeKV | None = None,
     ):
         """`layout`: `compute_layout`'s tensors (used as they are: never written); `native`: the GGUF's
         quantized weights for small calls, where they are used."""
@@ -253,6 +255,7 @@ class LlamaModel:
         self.cfg = cfg
         self.paged = paged  # decode attention in place (the runner then builds PagedDecodes)
         self.norm = norm  # the residual add and RMSNorm of bf16 rows in one kernel call
+        self.rope_kv = rope_kv  # RoPE and the K/V store in one kernel call
         self.dtype = dtype
         self.device = layout["embed"].device
         self.embed = layout["embed"]
@@ -347,24 +350,30 @@ class LlamaModel:
         n = input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        if self.rope_kv is None:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         x = self.embed[input_ids]  # x: [tokens, hidden], a copy: the residual stream, added to in place
         delta = None  # what the last layer adds to x (added by the next norm)
         for index, (attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
             h = self._add_norm(x, delta, attn_norm)
             qkv = w_qkv(h)
-            # Q and K heads side by side get RoPE in one pass: [tokens, heads + kv_heads, dim]
-            qk = self._rope(
-                qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin
-            )
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
             kv_cache = arena.layer_kv(index)  # [2, kv_heads, blocks, block_size, dim]
-            k_cache, v_cache = kv_cache[0], kv_cache[1]
-            heads, blocks, block_size, dim = k_cache.shape
-            k_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, k.transpose(0, 1))
-            v_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, v.transpose(0, 1))
+            v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
+            if self.rope_kv is not None:  # RoPE in place and the K/V store, one kernel call
+                self.rope_kv(qkv, self.cos, self.sin, positions, kv_cache, batch.slots, cfg.num_heads, cfg.num_kv_heads)
+                q = qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim)
+                k = qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
+            else:
+                # Q and K heads side by side get RoPE in one pass: [tokens, heads + kv_heads, dim]
+                qk = self._rope(
+                    qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin
+                )
+                q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+                k_cache, v_cache = kv_cache[0], kv_cache[1]
+                heads, blocks, block_size, dim = k_cache.shape
+                k_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, k.transpose(0, 1))
+                v_cache.view(heads, blocks * block_size, dim).index_copy_(1, batch.slots, v.transpose(0, 1))
             if on_layer is not None:
                 on_layer(index)
             attn = self._attention(q, k, v, kv_cache, batch)
