@@ -314,9 +314,11 @@ class LlamaModel:
         out = self._scratch[:need].view(rows.numel(), flat.shape[1])
         return torch.index_select(flat, 0, rows, out=out)
 
-    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-        """`x += delta` in place (the residual add), then x normalised and scaled by `weight`."""
-        if self.norm is not None and self.norm.handles(x):
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+        """`x += delta` in place (the residual add), then x normalised and scaled by `weight`; `fused`:
+        the kernel handles x (asked once a step: the residual stream keeps its dtype and width)."""
+        if fused:
+            assert self.norm is not None
             return self.norm(x, delta, weight, self.cfg.rms_norm_eps)
         if delta is not None:
             x.add_(delta)
@@ -354,9 +356,10 @@ class LlamaModel:
             cos = self.cos[positions].unsqueeze(1)
             sin = self.sin[positions].unsqueeze(1)
         x = self.embed[input_ids]  # x: [tokens, hidden], a copy: the residual stream, added to in place
+        fused = self.norm is not None and self.norm.handles(x)
         delta = None  # what the last layer adds to x (added by the next norm)
         for index, (attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
-            h = self._add_norm(x, delta, attn_norm)
+            h = self._add_norm(x, delta, attn_norm, fused)
             qkv = w_qkv(h)
             kv_cache = arena.layer_kv(index)  # [2, kv_heads, blocks, block_size, dim]
             v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -377,11 +380,11 @@ class LlamaModel:
             if on_layer is not None:
                 on_layer(index)
             attn = self._attention(q, k, v, kv_cache, batch)
-            h = self._add_norm(x, w_o(attn), ffn_norm)
+            h = self._add_norm(x, w_o(attn), ffn_norm, fused)
             gate, up = w_gate_up(h).chunk(2, dim=-1)
             delta = w_down(F.silu(gate) * up)
         last = None if delta is None else delta[sample_rows]
-        return self.lm_head(self._add_norm(x[sample_rows], last, self.final_norm)).float()
+        return self.lm_head(self._add_norm(x[sample_rows], last, self.final_norm, fused)).float()
 
     def _attention(
         self,
