@@ -253,20 +253,24 @@ class Degradation:
     def _check_ttft(
         self, loads: list[WorkerLoad], priority: Priority, level: Level, prompt_tokens: int, predicted: float
     ) -> None:
-        """A request predicted to wait far past its TTFT target (low: its p50, giving way first; normal:
-        its p99): more than `ttft_refuse` x it. A prompt that alone takes longer than the target is judged
-        by what others add to it. Retry-After: until the queue ahead has drained to the target."""
+        """A request predicted to miss its TTFT target (low: its p50, giving way first; normal: its p99)
+        while the TPOT SLO is broken (no capacity to spare); else only past `ttft_refuse` x it. A prompt
+        that alone takes longer than the target is judged by what others add to it. Retry-After: until
+        the queue ahead has drained to the target."""
         target = self.slo.targets(priority).ttft_ms
         bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000
         idle = [WorkerLoad(w.worker_id, w.base_s, w.token_s, w.kv_total, 0) for w in loads]
         bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority)[0])
-        if predicted > self.cfg.ttft_refuse * bar:
+        overloaded = self._observed[1] > self.slo.targets(Priority.NORMAL).tpot_ms.p99
+        factor = 1.0 if overloaded else self.cfg.ttft_refuse
+        if predicted > factor * bar:
             self._refuse(
                 priority,
                 429,
                 f"The service is overloaded (degradation level {int(level)}): a {priority.label}-priority "
                 f"request would wait about {predicted * 1000:.0f} ms for its first token, over "
-                f"{self.cfg.ttft_refuse:g} x its {bar * 1000:.0f} ms target. Retry later.",
+                + (f"{factor:g} x " if factor != 1 else "")
+                + f"its {bar * 1000:.0f} ms target. Retry later.",
                 max(1, math.ceil(predicted - bar)),
             )
 
