@@ -51,7 +51,9 @@ def build(source: Path, what: str) -> Path | None:
         log.warning("no C compiler: %s stays on the torch path", what)
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(CFLAGS), _cpu_flags()]).encode())
+    # The headers beside the source count too: an edited `bf16.h` rebuilds every kernel (a few, small).
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, " ".join(CFLAGS), _cpu_flags()]).encode())
     name = f"{source.stem}-{key.hexdigest()[:16]}.so"
     # The user's cache first; a private temporary directory where that cannot be written. A library
     # found where someone else could have put it is anyone's code: such a folder is passed over.

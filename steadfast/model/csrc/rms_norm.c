@@ -3,23 +3,10 @@
  * fp32 and the scaling rounded to bf16 (the model's torch path rounds at the same points). A row's result
  * never depends on the other rows. One call instead of the seven torch ops of the unfused path.
  * dim must be a multiple of 16. */
+#include "bf16.h"
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* Round to nearest even, as torch converts fp32 to bf16 (NaN kept a NaN). */
-static inline __m256i to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
 
 int rms_norm_supported(void) { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
 

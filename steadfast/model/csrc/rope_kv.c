@@ -4,25 +4,12 @@
  * (the model's `_rope`: x * cos and rotate_half(x) * sin each rounded to the model dtype, then their sum),
  * with no fused multiply-add, so either path gives the same bits and a token's K/V never depends on which
  * computed it or on the tokens beside it. dim must be a multiple of 32 (half a head, whole vectors). */
+#include "bf16.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* Round to nearest even, as torch converts fp32 to bf16 (NaN kept a NaN). */
-static inline __m256i to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
 
 static inline __m512 neg(__m512 v) {  /* exact, as torch negates (-0 from 0) */
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000)));
