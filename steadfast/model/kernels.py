@@ -43,9 +43,10 @@ def _ours_alone(path: Path, kind: Callable[[int], bool]) -> bool:
     return kind(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def build(source: Path, what: str) -> Path | None:
-    """The shared library of `source` for this machine, compiled unless already cached; None (with a
-    warning naming `what`, which then stays on torch) where there is no compiler or it fails."""
+def build(source: Path, what: str, linked: tuple[Path, ...] = ()) -> Path | None:
+    """The shared library of `source` (with the kernels of `linked` compiled into it) for this machine,
+    compiled unless already cached; None (with a warning naming `what`, which then stays on torch) where
+    there is no compiler or it fails."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler: %s stays on the torch path", what)
@@ -53,7 +54,8 @@ def build(source: Path, what: str) -> Path | None:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # The headers beside the source count too: an edited `bf16.h` rebuilds every kernel (a few, small).
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, " ".join(CFLAGS), _cpu_flags()]).encode())
+    texts = [p.read_text() for p in (source, *linked)]
+    key = hashlib.sha256("\0".join([*texts, *headers, version, " ".join(CFLAGS), _cpu_flags()]).encode())
     name = f"{source.stem}-{key.hexdigest()[:16]}.so"
     # The user's cache first; a private temporary directory where that cannot be written. A library
     # found where someone else could have put it is anyone's code: such a folder is passed over.
@@ -76,7 +78,9 @@ def build(source: Path, what: str) -> Path | None:
         except OSError:
             continue
         os.close(fd)
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True)
+        done = subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp, *map(str, (source, *linked))], capture_output=True, text=True
+        )
         if done.returncode != 0:
             os.unlink(tmp)
             log.warning("%s kernel did not compile; %s stays on torch:\n%s", source.name, what, done.stderr)
@@ -88,10 +92,10 @@ def build(source: Path, what: str) -> Path | None:
     return None
 
 
-def load_library(source: Path, what: str, supported: str) -> ctypes.CDLL | None:
-    """`source` built and loaded where it runs here: None without a compiler, or where its function
-    `supported()` says this CPU lacks what it needs (AVX-512), `what` then staying on torch."""
-    path = build(source, what)
+def load_library(source: Path, what: str, supported: str, linked: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
+    """`source` (and `linked`) built and loaded where it runs here: None without a compiler, or where its
+    function `supported()` says this CPU lacks what it needs (AVX-512), `what` then staying on torch."""
+    path = build(source, what, linked)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from steadfast.kv.arena import KVArena
+from steadfast.model.decode_layers import DecodeLayers, DecodePlan, LayerWeights
 from steadfast.model.gguf_file import GGUFTensor
 from steadfast.model.gguf_meta import LlamaConfig
 from steadfast.model.paged_attention import PagedAttention
@@ -245,9 +246,11 @@ class LlamaModel:
         native: NativeWeights | None = None,
         norm: AddRMSNorm | None = None,
         rope_kv: RopeKV | None = None,
+        decode: DecodeLayers | None = None,
     ):
         """`layout`: `compute_layout`'s tensors (used as they are: never written); `native`: the GGUF's
-        quantized weights for small calls, where they are used."""
+        quantized weights for small calls, where they are used; `decode`: the SwiGLU kernel, and the
+        decode step's layers in one call where every other kernel is in use."""
 
         def linear(name: str) -> Linear:
             return Linear(layout[name], rowwise, self._native(native, name))
@@ -278,6 +281,34 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device, dtype)  # [positions, head_dim]
         self.sin = emb.sin().to(self.device, dtype)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)
+        self.decode = decode if decode is not None and decode.handles(cfg, cfg.intermediate_size) else None
+        self.step = self._plan(native)
+
+    def _plan(self, native: NativeWeights | None) -> tuple[DecodePlan, int] | None:
+        """The decode step in one call, and the most rows it takes (`native`'s): where the fused norm,
+        the RoPE/K-V and paged attention kernels are all in use and every projection is quantized."""
+        if self.decode is None or native is None or None in (self.norm, self.rope_kv, self.paged):
+            return None
+        layers = []
+        for attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down in self.layers:
+            projections = [w.native[0] for w in (w_qkv, w_o, w_gate_up, w_down) if w.native is not None]
+            if len(projections) < 4:
+                return None
+            layers.append(LayerWeights(attn_norm, ffn_norm, *projections))
+        return self.decode.plan(self.cfg, layers, self.cos, self.sin), native.max_rows
+
+    def _decodes_only(self, n: int, batch: AttentionBatch, on_layer: Callable[[int], None] | None) -> bool:
+        """Whether this step can take the one-call path: every row a decode, nobody watching layers."""
+        d = batch.decodes
+        return (
+            self.step is not None
+            and on_layer is None
+            and isinstance(d, PagedDecodes)
+            and d.count == n
+            and n <= self.step[1]
+            and not batch.prefills
+            and batch.verifies is None
+        )
 
     @staticmethod
     def _native(native: NativeWeights | None, name: str) -> tuple[QuantWeight, QuantMatmul, int] | None:
@@ -329,6 +360,12 @@ class LlamaModel:
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
         return weight * h.to(self.dtype)
 
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.decode is not None and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
+            return self.decode.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim]
@@ -348,15 +385,35 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run the flat batch; return fp32 logits `[len(sample_rows), vocab]` for the rows to sample.
         `on_layer(i)`, if given, runs as soon as layer i's K/V is written (to stream it elsewhere)."""
+        x = self.embed[input_ids]  # x: [tokens, hidden], a copy: the residual stream, added to in place
+        fused = self.norm is not None and self.norm.handles(x)
+        if fused and self._decodes_only(x.shape[0], batch, on_layer):
+            assert self.step is not None and isinstance(batch.decodes, PagedDecodes)
+            d = batch.decodes
+            delta = self.step[0].run(x, positions, batch.slots, d.tables, d.lens, arena.tensor)
+        else:
+            delta = self._layers(x, positions, batch, arena, on_layer, fused)
+        last = None if delta is None else delta[sample_rows]
+        return self.lm_head(self._add_norm(x[sample_rows], last, self.final_norm, fused)).float()
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        arena: KVArena,
+        on_layer: Callable[[int], None] | None,
+        fused: bool,
+    ) -> torch.Tensor | None:
+        """Every layer, one op at a time, on the residual stream x (updated in place); returns what the
+        last layer adds to x (the final norm adds it), None for a model of no layers."""
         cfg = self.cfg
-        n = input_ids.shape[0]
+        n = x.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         if self.rope_kv is None:
             cos = self.cos[positions].unsqueeze(1)
             sin = self.sin[positions].unsqueeze(1)
-        x = self.embed[input_ids]  # x: [tokens, hidden], a copy: the residual stream, added to in place
-        fused = self.norm is not None and self.norm.handles(x)
         delta = None  # what the last layer adds to x (added by the next norm)
         for index, (attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
             h = self._add_norm(x, delta, attn_norm, fused)
@@ -381,10 +438,8 @@ class LlamaModel:
                 on_layer(index)
             attn = self._attention(q, k, v, kv_cache, batch)
             h = self._add_norm(x, w_o(attn), ffn_norm, fused)
-            gate, up = w_gate_up(h).chunk(2, dim=-1)
-            delta = w_down(F.silu(gate) * up)
-        last = None if delta is None else delta[sample_rows]
-        return self.lm_head(self._add_norm(x[sample_rows], last, self.final_norm, fused)).float()
+            delta = w_down(self._swiglu(w_gate_up(h)))
+        return delta
 
     def _attention(
         self,

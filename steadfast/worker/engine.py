@@ -25,7 +25,7 @@ from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.spec import arena_spec
 from steadfast.kv.tier import TierFile
-from steadfast.model import paged_attention, quant_matmul, rms_norm, rope_kv, rowwise_matmul
+from steadfast.model import decode_layers, paged_attention, quant_matmul, rms_norm, rope_kv, rowwise_matmul
 from steadfast.model.gguf_loader import load_weights
 from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, read_config
 from steadfast.model.llama import LlamaModel, NativeWeights, compute_layout, native_layout
@@ -118,9 +118,20 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
         log.info("native quantized weights: %d of the linear weights", len(weights))
     norm = rms_norm.load() if dtype == torch.bfloat16 and device == "cpu" else None
     rope = rope_kv.load() if rope_kv.supports(dtype, device, model_cfg.head_dim) else None
+    decode = decode_layers.load() if dtype == torch.bfloat16 and device == "cpu" else None
     model = LlamaModel(
-        model_cfg, layout, dtype, limit, paged=paged, rowwise=rowwise, native=native, norm=norm, rope_kv=rope
+        model_cfg,
+        layout,
+        dtype,
+        limit,
+        paged=paged,
+        rowwise=rowwise,
+        native=native,
+        norm=norm,
+        rope_kv=rope,
+        decode=decode,
     )
+    log.info("decode steps: %s", "one call for the layers" if model.step is not None else "layer by layer")
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
 
 
