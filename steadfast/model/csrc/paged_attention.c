@@ -23,6 +23,7 @@
 int paged_attention_supported(void) { return 1; }
 
 #define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")
 
 /* 16 elements from p as fp32; bf16 is the upper half of an fp32, so widening is a shift. */
 INLINE __m512 load16(const void *p, int bf16) {
@@ -86,34 +87,31 @@ INLINE void attend_one(const char *q, const char *k_head, const char *v_head, ch
     const int esize = bf16 ? 2 : 4, chunks = dim / 16, blocks = (ctx + BLOCK - 1) / BLOCK;
     __m512 qf[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS], row[MAX_CHUNKS];
     __m512 best[MAX_GROUP], total[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        for (int c = 0; c < chunks; c++) {
+    UNROLL for (int g = 0; g < group; g++) {
+        UNROLL for (int c = 0; c < chunks; c++) {
             qf[g][c] = load16(q + ((long)g * dim + 16 * c) * esize, bf16);
             acc[g][c] = _mm512_setzero_ps();
         }
         best[g] = _mm512_set1_ps(-INFINITY);
         total[g] = _mm512_setzero_ps();
     }
-    /* Scores, a block (16 tokens) at a time; lanes past the context are -inf. */
+    /* Scores, a block (16 tokens) at a time, one query head after another (16 partial sums live, not
+     * 16 per head: the block's K rows are read again from L1 instead); lanes past the context are -inf. */
     for (int b = 0; b < blocks; b++) {
         const char *kb = k_head + table[b] * block_bytes;
         const int m = ctx - b * BLOCK < BLOCK ? ctx - b * BLOCK : BLOCK;
         const __mmask16 live = (__mmask16)((1u << m) - 1u);
-        __m512 part[MAX_GROUP][BLOCK];
-        for (int t = 0; t < BLOCK; t++) {
-            if (t < m) {
-                for (int c = 0; c < chunks; c++) row[c] = load16(kb + ((long)t * dim + 16 * c) * esize, bf16);
-            }
-            for (int g = 0; g < group; g++) {
+        UNROLL for (int g = 0; g < group; g++) {
+            __m512 part[BLOCK];
+            for (int t = 0; t < BLOCK; t++) {
                 __m512 s = _mm512_setzero_ps();
                 if (t < m)
-                    for (int c = 0; c < chunks; c++) s = _mm512_fmadd_ps(qf[g][c], row[c], s);
-                part[g][t] = s;
+                    UNROLL for (int c = 0; c < chunks; c++)
+                        s = _mm512_fmadd_ps(qf[g][c], load16(kb + ((long)t * dim + 16 * c) * esize, bf16), s);
+                part[t] = s;
             }
-        }
-        for (int g = 0; g < group; g++) {
             __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                          _mm512_mul_ps(sum_lanes16(part[g]), _mm512_set1_ps(scale)));
+                                          _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale)));
             _mm512_storeu_ps(scores + (long)g * blocks * BLOCK + b * BLOCK, s);
             best[g] = _mm512_max_ps(best[g], s);
         }
@@ -132,10 +130,10 @@ INLINE void attend_one(const char *q, const char *k_head, const char *v_head, ch
         const char *vb = v_head + table[b] * block_bytes;
         const int m = ctx - b * BLOCK < BLOCK ? ctx - b * BLOCK : BLOCK;
         for (int t = 0; t < m; t++) {
-            for (int c = 0; c < chunks; c++) row[c] = load16(vb + ((long)t * dim + 16 * c) * esize, bf16);
-            for (int g = 0; g < group; g++) {
+            UNROLL for (int c = 0; c < chunks; c++) row[c] = load16(vb + ((long)t * dim + 16 * c) * esize, bf16);
+            UNROLL for (int g = 0; g < group; g++) {
                 const __m512 p = _mm512_set1_ps(scores[(long)g * blocks * BLOCK + b * BLOCK + t]);
-                for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(p, row[c], acc[g][c]);
+                UNROLL for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(p, row[c], acc[g][c]);
             }
         }
     }
@@ -144,6 +142,40 @@ INLINE void attend_one(const char *q, const char *k_head, const char *v_head, ch
         for (int c = 0; c < chunks; c++)
             store16(out + ((long)g * dim + 16 * c) * esize, _mm512_mul_ps(acc[g][c], inv), bf16);
     }
+}
+
+/* attend_one for one head shape: specialised below for the common ones (the group size and head width
+ * known at compile time, the loops over them unrolled, a head's partial results kept in registers: 2-3x
+ * faster than the generic loops, the same operations in the same order, so the same bits). */
+typedef void (*attend_fn)(const char *q, const char *k_head, const char *v_head, char *out, const int32_t *table,
+                          int ctx, int group, int dim, long block_bytes, float scale, float *scores);
+
+#define DEF_ATTEND(NAME, G, D, B)                                                                          \
+    static void NAME(const char *q, const char *k_head, const char *v_head, char *out, const int32_t *table, \
+                     int ctx, int group, int dim, long block_bytes, float scale, float *scores) {          \
+        (void)group, (void)dim;                                                                            \
+        attend_one(q, k_head, v_head, out, table, ctx, G, D, block_bytes, scale, scores, B);               \
+    }
+#define DEF_SHAPE(G, D) DEF_ATTEND(attend_##G##_##D##_f32, G, D, 0) DEF_ATTEND(attend_##G##_##D##_bf16, G, D, 1)
+DEF_SHAPE(1, 64) DEF_SHAPE(2, 64) DEF_SHAPE(3, 64) DEF_SHAPE(4, 64) DEF_SHAPE(8, 64)
+DEF_SHAPE(1, 128) DEF_SHAPE(2, 128) DEF_SHAPE(4, 128) DEF_SHAPE(8, 128)
+
+static void attend_any_f32(const char *q, const char *k_head, const char *v_head, char *out, const int32_t *table,
+                           int ctx, int group, int dim, long block_bytes, float scale, float *scores) {
+    attend_one(q, k_head, v_head, out, table, ctx, group, dim, block_bytes, scale, scores, 0);
+}
+static void attend_any_bf16(const char *q, const char *k_head, const char *v_head, char *out, const int32_t *table,
+                            int ctx, int group, int dim, long block_bytes, float scale, float *scores) {
+    attend_one(q, k_head, v_head, out, table, ctx, group, dim, block_bytes, scale, scores, 1);
+}
+
+static attend_fn attend_for(int group, int dim, int bf16) {
+#define PICK(G, D) \
+    if (group == G && dim == D) return bf16 ? attend_##G##_##D##_bf16 : attend_##G##_##D##_f32;
+    PICK(1, 64) PICK(2, 64) PICK(3, 64) PICK(4, 64) PICK(8, 64)
+    PICK(1, 128) PICK(2, 128) PICK(4, 128) PICK(8, 128)
+#undef PICK
+    return bf16 ? attend_any_bf16 : attend_any_f32;
 }
 
 /* q: request r's head j at q + (r * q_stride + j * dim) elements. out: [n, heads * dim] contiguous.
@@ -158,6 +190,7 @@ int paged_decode_attention(const void *q, long q_stride, const void *kv, void *o
     const int esize = bf16 ? 2 : 4;
     const long block_bytes = (long)BLOCK * dim * esize;
     const long head_bytes = (long)num_blocks * block_bytes;
+    const attend_fn attend = attend_for(group, dim, bf16);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -172,10 +205,7 @@ int paged_decode_attention(const void *q, long q_stride, const void *kv, void *o
             const char *qr = (const char *)q + (r * q_stride + (long)h * group * dim) * esize;
             char *o = (char *)out + ((long)r * heads + (long)h * group) * dim * esize;
             const int32_t *table = tables + (long)r * max_blocks;
-            if (bf16)
-                attend_one(qr, k_head, v_head, o, table, lens[r], group, dim, block_bytes, scale, scores, 1);
-            else
-                attend_one(qr, k_head, v_head, o, table, lens[r], group, dim, block_bytes, scale, scores, 0);
+            attend(qr, k_head, v_head, o, table, lens[r], group, dim, block_bytes, scale, scores);
         }
         free(scores);
     }
