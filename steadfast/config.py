@@ -128,6 +128,13 @@ class ModelConfig:
     # `transformers`). Other GGUF types are always dequantized.
     weights: str = "auto"
     native_max_rows: int = 4
+    # Batch-invariant serving: a token's logits (and its K/V) are the same bits whether it is computed
+    # alone or beside any others, in a prefill chunk of any length or a decode step, so a takeover,
+    # migration or preemption that recomputes a token never changes one. Every row is attended by the
+    # in-place kernel (prefill rows too, each up to its own position) and every linear layer is a
+    # row-wise kernel (bf16: the GGUF's quantized weights for calls of any size; fp32: the row-wise
+    # kernel). Refused at load where those kernels do not cover the model (no AVX-512, other GGUF types).
+    deterministic: bool = False
     # Workers of a node map the model read-only from one shared store (made by the first of them, in the
     # arena folder, content-hash checked on every map), instead of each loading its own copy.
     shared_weights: bool = True

@@ -8,6 +8,7 @@ Linear layers see the flat `[tokens, hidden]` batch, so no padding is computed o
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -283,6 +284,7 @@ class LlamaModel:
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)
         self.decode = decode if decode is not None and decode.handles(cfg, cfg.intermediate_size) else None
         self.step = self._plan(native)
+        self.deterministic = False  # set by the loader once `invariance_gaps` finds none (the runner reads it)
 
     def _plan(self, native: NativeWeights | None) -> tuple[DecodePlan, int] | None:
         """The decode step in one call, and the most rows it takes (`native`'s): where the fused norm,
@@ -296,6 +298,24 @@ class LlamaModel:
                 return None
             layers.append(LayerWeights(attn_norm, ffn_norm, *projections))
         return self.decode.plan(self.cfg, layers, self.cos, self.sin), native.max_rows
+
+    def invariance_gaps(self) -> list[str]:
+        """What would make a row's result depend on the rows computed with it (empty: nothing; the
+        runner then attends every row in place, prefill rows too: `model.deterministic`)."""
+        gaps = [] if self.paged is not None else ["decode attention is not the in-place kernel"]
+        if self.dtype == torch.bfloat16 and self.norm is None:
+            gaps.append("the bf16 RMSNorm is not the row-wise kernel")
+        linears = {"lm_head": self.lm_head.linear} | {
+            f"layer {i} {name}": w
+            for i, layer in enumerate(self.layers)
+            for name, w in zip(("qkv", "o", "gate_up", "down"), (layer[1], layer[2], layer[4], layer[5]), strict=True)
+        }
+        for name, w in linears.items():
+            if w.rowwise is None and (w.native is None or w.native[2] < sys.maxsize):
+                gaps.append(f"{name} is computed by BLAS/oneDNN, whose results depend on the batch")
+        if self.lm_head.rows_first is not None:
+            gaps.append("the LM head computes several rows another way than one")
+        return gaps
 
     def _decodes_only(self, n: int, batch: AttentionBatch, on_layer: Callable[[int], None] | None) -> bool:
         """Whether this step can take the one-call path: every row a decode, nobody watching layers."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from steadfast.config import Config
+from steadfast.config import Config, ConfigError
 from steadfast.failpoints import broken
 from steadfast.ipc import about
 from steadfast.kv.arena import TORCH_DTYPES, KVArena
@@ -113,7 +113,7 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
         if matmul is not None and weights:
             # In fp32 every call: the kernel's rows are batch-invariant and its weights exact (BLAS's
             # would be the same values, summed in another order).
-            rows = sys.maxsize if dtype == torch.float32 else cfg.model.native_max_rows
+            rows = sys.maxsize if dtype == torch.float32 or cfg.model.deterministic else cfg.model.native_max_rows
             native = NativeWeights(weights, matmul, rows)
         log.info("native quantized weights: %d of the linear weights", len(weights))
     norm = rms_norm.load() if dtype == torch.bfloat16 and device == "cpu" else None
@@ -132,6 +132,14 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
         decode=decode,
     )
     log.info("decode steps: %s", "one call for the layers" if model.step is not None else "layer by layer")
+    if cfg.model.deterministic:
+        gaps = model.invariance_gaps()
+        if cfg.cache.block_size != paged_attention.BLOCK_SIZE:
+            gaps.append(f"the in-place attention kernel takes blocks of {paged_attention.BLOCK_SIZE} tokens")
+        if gaps:
+            raise ConfigError("model.deterministic cannot hold on this machine and model: " + "; ".join(gaps))
+        model.deterministic = True
+        log.info("deterministic: every row attended in place and computed by row-wise kernels")
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
 
 

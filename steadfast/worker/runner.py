@@ -120,7 +120,20 @@ class ModelRunner:
             tables.append(table[: pos // bs + 1])
         groups: list[DecodeGroup] | PagedDecodes = []
         verifies = None
-        if self.paged and (tables or step.verifies):
+        chunks: list[PrefillChunk] = []
+        prefills = step.prefills
+        if self.paged and self.model.deterministic:
+            # Every row a decode row to the kernel, a prefill token attending up to its own position: a
+            # token's attention is then the same whichever step, chunk or batch computes it.
+            self._verify_rows(step.verifies, flat, tables)
+            for request, n in step.prefills:
+                table = self.blocks.block_table(request.request_id)
+                for pos in range(request.num_computed, request.num_computed + n):
+                    flat.add(request.all_ids[pos], pos, table, request if pos == request.num_tokens - 1 else None)
+                    tables.append(table[: pos // bs + 1])
+            groups = self._paged(tables, flat.positions)
+            prefills = []
+        elif self.paged and (tables or step.verifies):
             # A verifying request's rows are decode rows to the kernel, each attending up to its own
             # position: attended as a plain decode is, whatever the number of drafts beside it.
             self._verify_rows(step.verifies, flat, tables)
@@ -133,8 +146,7 @@ class ModelRunner:
                 first += count
             verifies = self._verifies(step.verifies, flat)
 
-        chunks = []
-        for request, n in step.prefills:
+        for request, n in prefills:
             start, pos0 = len(flat.tokens), request.num_computed
             table = self.blocks.block_table(request.request_id)
             ids = request.all_ids
