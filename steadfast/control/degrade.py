@@ -21,13 +21,18 @@ from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
 from steadfast.control.delivery import Flight
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Ladder, Level, LevelChange, Snapshot
-from steadfast.control.signals import Calibration, Latencies, Queued, Running, WorkerLoad, predict_ttft
+from steadfast.control.signals import Calibration, Latencies, Queued, Running, Window, WorkerLoad, predict_ttft
 from steadfast.control.workers import WorkerHandle, WorkerRegistry
 from steadfast.protocol import Degrade, Priority, WorkerRole
 
 log = logging.getLogger("steadfast.degradation")
 
 PROTECTED = (Priority.HIGH, Priority.NORMAL)  # whose observed latencies say whether the SLO holds
+# Whether decoding keeps up (L1's "no capacity to spare") is judged by the TPOT of requests that decoded
+# at least this many tokens: a request of a few spends its whole life beside the prefills of the burst it
+# came in (32 requests of 16 tokens arriving together: ~100 ms a token), which says how bursty arrivals
+# were, not how fast the running streams decode once they are in.
+CAPACITY_MIN_TOKENS = 32
 LOW_TPOT_SHARE = 0.75  # low priority is refused when a token would take this share of its TPOT p99 target
 TYPICAL_PROMPT = 64  # tokens of the new request the level's signals are predicted for (load, TTFT)
 TYPICAL_OUTPUT = 128  # tokens of the "typical new request" the level's prediction is made for, until some are seen
@@ -101,6 +106,8 @@ class Degradation:
     # TTFT, TPOT p99 (ms) of the protected priorities at the last tick: over the window, and over what
     # the current level admitted (TTFT) or saw finish (TPOT).
     _observed: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    _capacity: Window = field(init=False)  # TPOT of protected requests of >= CAPACITY_MIN_TOKENS tokens
+    _capacity_p99_ms: float = 0.0  # ... its p99 at the last tick
     _orders: Degrade = field(default_factory=Degrade)
     # Predictions corrected by what was measured (the machine's other load, what arrives later).
     ttft_model: Calibration = field(default_factory=Calibration)
@@ -111,6 +118,7 @@ class Degradation:
     def __post_init__(self) -> None:
         self.ladder = Ladder(self.cfg)
         self.latencies = {p: Latencies.over(self.cfg.window_s) for p in Priority}
+        self._capacity = Window(self.cfg.window_s)
 
     # --- signals -------------------------------------------------------------------------------
     def _serving(self) -> list[WorkerHandle]:
@@ -190,6 +198,7 @@ class Degradation:
             return 1000 * max(getattr(self.latencies[p], kind).percentile(0.99, now, since) for p in PROTECTED)
 
         self._observed = (p99("ttft", -math.inf), p99("tpot", -math.inf), p99("ttft", since), p99("tpot", since))
+        self._capacity_p99_ms = 1000 * self._capacity.percentile(0.99, now, -math.inf)
 
     # --- admission -----------------------------------------------------------------------------
     def plan(self, request_id: str, priority: Priority, prompt_tokens: int, output_tokens: int) -> Plan:
@@ -261,7 +270,7 @@ class Degradation:
         bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000
         idle = [WorkerLoad(w.worker_id, w.base_s, w.token_s, w.kv_total, 0) for w in loads]
         bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority)[0])
-        overloaded = self._observed[1] > self.slo.targets(Priority.NORMAL).tpot_ms.p99
+        overloaded = self._capacity_p99_ms > self.slo.targets(Priority.NORMAL).tpot_ms.p99
         factor = 1.0 if overloaded else self.cfg.ttft_refuse
         if predicted > factor * bar:
             self._refuse(
@@ -302,9 +311,13 @@ class Degradation:
         if request_id in self._predicted:
             self.ttft_model.learn(self._predicted[request_id][0], seconds)
 
-    def finished(self, request_id: str, priority: Priority, tpot: float) -> None:
-        """A request's mean time per output token after its first (what its TPOT target is about)."""
-        self.latencies[priority].tpot.add(tpot, time.monotonic())
+    def finished(self, request_id: str, priority: Priority, tpot: float, decoded: int) -> None:
+        """A request's mean time per output token after its first (what its TPOT target is about), over
+        its `decoded` tokens after the first."""
+        now = time.monotonic()
+        self.latencies[priority].tpot.add(tpot, now)
+        if priority in PROTECTED and decoded >= CAPACITY_MIN_TOKENS:
+            self._capacity.add(tpot, now)
         if request_id in self._predicted:
             self.tpot_model.learn(self._predicted[request_id][1], tpot)
 
@@ -431,6 +444,8 @@ class Degradation:
             "workers": self.worker_signals(loads),
             # measured / predicted, learnt from finished requests
             "calibration": {"ttft": round(self.ttft_model.factor, 3), "tpot": round(self.tpot_model.factor, 3)},
+            # L1's capacity signal: TPOT p99 of the protected requests of CAPACITY_MIN_TOKENS tokens or more.
+            "capacity_tpot_p99_ms": round(self._capacity_p99_ms, 1),
             "priorities": per_priority,
             "history": [c.as_dict() for c in self.ladder.history],
         }

@@ -240,7 +240,7 @@ class Generation:
                     self.finish_reason = out.finish_reason
                     if ladder is not None and self.first_at and self.completion_tokens > self.p.have_tokens + 1:
                         decoded = self.completion_tokens - self.p.have_tokens - 1
-                        ladder.finished(self.p.request_id, priority, (now - self.first_at) / decoded)
+                        ladder.finished(self.p.request_id, priority, (now - self.first_at) / decoded, decoded)
                     m.requests.labels(out.finish_reason).inc()
                     m.e2e.observe(now - self.arrival)
                 yield out

@@ -141,10 +141,22 @@ def test_past_its_ttft_target_a_request_waits_while_there_is_capacity_and_is_ref
     s.admit(Priority.NORMAL)
     s.d.ended(f"r1-{Priority.NORMAL}")
     for i in range(5):  # streams finishing at 90 ms a token, over the 80 ms TPOT p99 target
-        s.d.finished(f"done{i}", Priority.NORMAL, 0.090)
+        s.d.finished(f"done{i}", Priority.NORMAL, 0.090, 64)
     asyncio.run(s.d.tick())
     with pytest.raises(APIError, match="over its 500 ms target"):
         s.admit(Priority.NORMAL)
+
+
+def test_short_requests_slow_beside_a_burst_of_prefills_do_not_count_as_overload():
+    """Requests of a few tokens, each slow because it decoded beside its burst's prefills, say nothing
+    of decode capacity: a request predicted past its TTFT target (within 2x) is still admitted."""
+    s = Service()
+    s.flights = [flight("n0", Priority.NORMAL, 440, 0)]
+    for i in range(32):  # a burst of 16-token requests at 120 ms a token (15 decoded after the first)
+        s.d.finished(f"short{i}", Priority.NORMAL, 0.120, 15)
+    asyncio.run(s.d.tick())
+    assert s.d.view()["capacity_tpot_p99_ms"] == 0.0
+    s.admit(Priority.NORMAL)
 
 
 def test_l4_shortens_normal_and_low_and_leaves_high_alone():
@@ -232,7 +244,7 @@ def test_predictions_learn_from_what_requests_measured():
         plan = s.d.plan(rid, Priority.NORMAL, 100, 64)
         own_ttft = plan.predicted_ttft_ms / 1000 / s.d.ttft_model.factor
         s.d.first_token(rid, Priority.NORMAL, 2 * own_ttft)
-        s.d.finished(rid, Priority.NORMAL, 0.5 * own_tpot)
+        s.d.finished(rid, Priority.NORMAL, 0.5 * own_tpot, 64)
         s.d.ended(rid)
     assert s.d.ttft_model.factor == pytest.approx(2.0, rel=0.05)
     assert s.d.tpot_model.factor == pytest.approx(0.5, rel=0.05)
