@@ -104,10 +104,11 @@ class DegradationConfig:
     ttft_enter: float = 0.8
     ttft_exit: float = 0.5
     # From L1 a new request predicted to miss its TTFT target (normal: p99, low: p50) is refused (429)
-    # while the service is out of capacity (the observed TPOT p99 of the protected priorities over its
-    # target); with capacity to spare, only one predicted past `ttft_refuse` x it. A refused client waits
-    # Retry-After on top of the queue it would have waited behind, so refusing a burst that the service
-    # drains just past the target makes TTFT worse; refusing in overload keeps every stream's TPOT.
+    # while the service is out of capacity (the observed TPOT p99 of the protected priorities' requests
+    # of 32 tokens or more over its target); with capacity to spare, only one predicted past `ttft_refuse`
+    # x it. A refused client waits Retry-After on top of the queue it would have waited behind, so
+    # refusing a burst that the service drains just past the target makes TTFT worse; refusing in
+    # overload keeps every stream's TPOT.
     ttft_refuse: float = 2.0
     # L2 (speculative decoding off), the seed's rules: KV use, requests queued (service-wide), load
     # (a decode step's expected time over the TPOT p99 target, on the busiest worker).
