@@ -106,7 +106,7 @@ class Degradation:
     # TTFT, TPOT p99 (ms) of the protected priorities at the last tick: over the window, and over what
     # the current level admitted (TTFT) or saw finish (TPOT).
     _observed: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-    _capacity: Window = field(init=False)  # TPOT of protected requests of >= CAPACITY_MIN_TOKENS tokens
+    _capacity: dict[Priority, Window] = field(init=False)  # TPOT of requests of >= CAPACITY_MIN_TOKENS tokens
     _capacity_p99_ms: float = 0.0  # ... its p99 at the last tick
     _orders: Degrade = field(default_factory=Degrade)
     # Predictions corrected by what was measured (the machine's other load, what arrives later).
@@ -118,7 +118,7 @@ class Degradation:
     def __post_init__(self) -> None:
         self.ladder = Ladder(self.cfg)
         self.latencies = {p: Latencies.over(self.cfg.window_s) for p in Priority}
-        self._capacity = Window(self.cfg.window_s)
+        self._capacity = {p: Window(self.cfg.window_s) for p in PROTECTED}
 
     # --- signals -------------------------------------------------------------------------------
     def _serving(self) -> list[WorkerHandle]:
@@ -198,7 +198,7 @@ class Degradation:
             return 1000 * max(getattr(self.latencies[p], kind).percentile(0.99, now, since) for p in PROTECTED)
 
         self._observed = (p99("ttft", -math.inf), p99("tpot", -math.inf), p99("ttft", since), p99("tpot", since))
-        self._capacity_p99_ms = 1000 * self._capacity.percentile(0.99, now, -math.inf)
+        self._capacity_p99_ms = 1000 * max(w.percentile(0.99, now) for w in self._capacity.values())
 
     # --- admission -----------------------------------------------------------------------------
     def plan(self, request_id: str, priority: Priority, prompt_tokens: int, output_tokens: int) -> Plan:
@@ -317,7 +317,7 @@ class Degradation:
         now = time.monotonic()
         self.latencies[priority].tpot.add(tpot, now)
         if priority in PROTECTED and decoded >= CAPACITY_MIN_TOKENS:
-            self._capacity.add(tpot, now)
+            self._capacity[priority].add(tpot, now)
         if request_id in self._predicted:
             self.tpot_model.learn(self._predicted[request_id][1], tpot)
 

@@ -9,6 +9,7 @@
  * g / (1 + exp(-g)) with a polynomial exp (relative error ~1e-7, so a value can round to the bf16 next
  * to torch's where it lies within that of a rounding boundary). */
 #include "bf16.h"
+#include "exp16.h"
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -24,23 +25,6 @@ int paged_decode_attention(const void *q, long q_stride, const void *kv, void *o
                            int block_size, int dim, float scale, int bf16, int threads);
 
 int decode_layers_supported(void) { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
-
-/* exp(x) in fp32: 2^n p(r) with |r| <= ln2/2 (Cephes' polynomial); below -104 it is 0, above 89 inf. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 static inline __m512 widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 

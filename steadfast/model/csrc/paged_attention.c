@@ -19,6 +19,7 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#include "exp16.h"
 
 int paged_attention_supported(void) { return 1; }
 
@@ -62,24 +63,7 @@ INLINE __m512 sum_lanes16(const __m512 *v) {
                          _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
 }
 
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), Cephes' degree-6 polynomial on
- * |r| <= ln2/2, relative error ~1e-7. Inputs are clamped at -104, so a masked lane (-inf) gives
- * ~1e-45: nothing, next to a softmax total that is >= 1 (its largest term is exp(0)). */
-INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+/* exp16: exp16.h (the scores minus their maximum are <= 0). */
 
 INLINE void attend_one(const char *q, const char *k_head, const char *v_head, char *out,
                        const int32_t *table, int ctx, int group, int dim, long block_bytes, float scale,
