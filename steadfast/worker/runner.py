@@ -10,15 +10,8 @@ import torch
 from steadfast.kv.arena import KVArena
 from steadfast.kv.block_manager import BlockManager
 from steadfast.model import paged_attention
-from steadfast.model.llama import (
-    AttentionBatch,
-    DecodeGroup,
-    LlamaModel,
-    PagedDecodes,
-    PrefillChunk,
-    VerifyGroup,
-    kv_rows,
-)
+from steadfast.model.batch import AttentionBatch, DecodeGroup, PagedDecodes, PrefillChunk, VerifyGroup, kv_rows
+from steadfast.model.llama import LlamaModel
 from steadfast.worker.request import Request
 from steadfast.worker.scheduler import ScheduledStep
 
