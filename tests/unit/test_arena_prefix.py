@@ -54,7 +54,8 @@ def cfg() -> Config:
 def arena_path():
     path = f"/dev/shm/steadfast-prefixtest-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv"
     yield path
-    for p in (path, path + ".json"):
+    ledger = str(Path(path).with_suffix(".db"))  # the tests' SQLite ledger beside it, and its WAL files
+    for p in (path, path + ".json", ledger, ledger + "-wal", ledger + "-shm"):
         Path(p).unlink(missing_ok=True)
 
 
