@@ -253,9 +253,10 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     # it grows with use); equal to kv_blocks_total where the arena is made whole.
     kv_blocks_made: int = 0
     # What a step costs on this worker, as its scheduler estimates it (`worker/step_cost.py`): base +
-    # per token computed, in ms (0: not known yet). What paces prefill beside decodes.
+    # per decoding row + per prefill token, in ms (0: not known yet). What paces prefill beside decodes.
     step_base_ms: float = 0.0
-    step_token_ms: float = 0.0
+    step_decode_ms: float = 0.0
+    step_prefill_ms: float = 0.0
     # The degradation ladder's orders the worker follows (level), and running requests it swapped out
     # to the offload tier for them (L3) since it started.
     degradation_level: int = 0

@@ -199,8 +199,10 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
                     "prefix_hit_rate": s.prefix_hit_rate if s else 0.0,
                     "step_ms": s.step_ms if s else 0.0,
                     "step_tokens": s.step_tokens if s else 0.0,
-                    "step_base_ms": s.step_base_ms if s else 0.0,  # its measured step cost: base + per token
-                    "step_token_ms": s.step_token_ms if s else 0.0,
+                    # its measured step cost: base + per decoding row + per prefill token
+                    "step_base_ms": s.step_base_ms if s else 0.0,
+                    "step_decode_ms": s.step_decode_ms if s else 0.0,
+                    "step_prefill_ms": s.step_prefill_ms if s else 0.0,
                     "degradation_level": s.degradation_level if s else 0,  # the ladder's orders it follows
                     "ladder_swaps": s.ladder_swaps if s else 0,  # running requests it swapped out for L3
                     "spec_drafted": s.spec_drafted if s else 0,

@@ -10,10 +10,11 @@ accepted request is ever failed by the ladder: refusals happen at admission, bef
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,9 @@ class Sources:
     registry: WorkerRegistry
     flights: Callable[[], list[Flight]]
     broadcast: Callable[[Degrade], Awaitable[None]]
+    # Tokens of a prompt a worker holds cached (the router's index of its cache events): not computed
+    # again, so not in its predicted TTFT.
+    cached: Callable[[int, Sequence[int]], int] = lambda worker_id, prompt: 0
 
 
 @dataclass
@@ -135,7 +139,8 @@ class Degradation:
             loads[w.worker_id] = WorkerLoad(
                 w.worker_id,
                 (s.step_base_ms if s else 0.0) / 1000,
-                (s.step_token_ms if s else 0.0) / 1000,
+                (s.step_decode_ms if s else 0.0) / 1000,
+                (s.step_prefill_ms if s else 0.0) / 1000,
                 s.kv_blocks_total if s else 0,
                 s.kv_blocks_used if s else 0,
             )
@@ -149,7 +154,7 @@ class Degradation:
             if done:
                 load.running.append(Running(max(0, most - done), -(-(prompt + most) // self.block_size)))
             else:
-                load.queued.append(Queued(Priority(add.priority), prompt, f.mark.owner, f.progress))
+                load.queued.append(Queued(Priority(add.priority), prompt - f.cached, f.mark.owner, f.progress))
         for rid, q in self._unplaced.items():
             if q.worker in loads and rid != exclude:
                 loads[q.worker].queued.append(q)
@@ -159,12 +164,16 @@ class Degradation:
         """From L1 on, a step beside streams is kept within the TPOT p99 target (0: the workers' own)."""
         return self.slo.targets(Priority.NORMAL).tpot_ms.p99 if level >= Level.L1 else 0.0
 
-    def _predict(self, loads: list[WorkerLoad], prompt: int, priority: Priority) -> tuple[float, int]:
-        """The shortest predicted TTFT (s) over the serving workers, and that worker's id (-1: none)."""
+    def _predict(
+        self, loads: list[WorkerLoad], prompt: int, priority: Priority, ids: Sequence[int] = ()
+    ) -> tuple[float, int]:
+        """The shortest predicted TTFT (s) over the serving workers, and that worker's id (-1: none), of
+        a prompt of `prompt` tokens (`ids`, where known: less what each worker holds cached)."""
         best = (0.0, -1)
         target = self.step_target_ms(self.ladder.level)
         for w in loads:
-            t = self.ttft_model.factor * predict_ttft(w, prompt, priority, self.sched, self.block_size, target)
+            new = max(1, prompt - self.src.cached(w.worker_id, ids)) if ids else prompt
+            t = self.ttft_model.factor * predict_ttft(w, new, priority, self.sched, self.block_size, target)
             if best[1] < 0 or t < best[0]:
                 best = (t, w.worker_id)
         return best
@@ -174,7 +183,7 @@ class Degradation:
         total = sum(w.kv_total for w in loads)
         # Load: what a typical new request's tokens would take where work runs (an idle worker has none).
         tpot = self.tpot_model.factor
-        busy = [w for w in loads if w.token_s > 0 and (w.running or w.queued)]
+        busy = [w for w in loads if w.measured and (w.running or w.queued)]
         typical = [tpot * w.tpot_s(TYPICAL_PROMPT, TYPICAL_OUTPUT) for w in busy]
         normal = self.slo.targets(Priority.NORMAL)
         tpot_slo = normal.tpot_ms.p99 / 1000
@@ -201,27 +210,29 @@ class Degradation:
         self._capacity_p99_ms = 1000 * max(w.percentile(0.99, now) for w in self._capacity.values())
 
     # --- admission -----------------------------------------------------------------------------
-    def plan(self, request_id: str, priority: Priority, prompt_tokens: int, output_tokens: int) -> Plan:
-        """Admit a new request, or refuse it (APIError 429/503 with Retry-After) as its priority and the
-        level say. An admitted one is counted as queued until its first token."""
+    def plan(self, request_id: str, priority: Priority, prompt: Sequence[int], output_tokens: int) -> Plan:
+        """Admit a new request of `prompt` (token ids), or refuse it (APIError 429/503 with Retry-After)
+        as its priority and the level say. An admitted one is counted as queued until its first token."""
+        prompt_tokens = len(prompt)
         loads = self.loads()
         self._changed(self.ladder.step(self.snapshot(loads), rise_only=True))
         level = self.ladder.level
         self._check_queue(loads, priority)
         shortened = level >= Level.L4 and priority != Priority.HIGH
-        if shortened:  # predicted as it will be
-            prompt_tokens = min(prompt_tokens, self.cfg.max_context_tokens)
+        if shortened and prompt_tokens > self.cfg.max_context_tokens:  # predicted as it will be (cut)
+            prompt, prompt_tokens = (), self.cfg.max_context_tokens
+        if shortened:
             output_tokens = min(output_tokens, self.cfg.max_tokens_cap)
-        predicted, worker = self._predict(loads, prompt_tokens, priority)
+        predicted, worker = self._predict(loads, prompt_tokens, priority, prompt)
         if level >= Level.L5:
             self._check_breaker(loads, priority, level)
         # Refused by prediction, lowest priority first: by TTFT low against its p50 target, normal against
         # its p99; by TPOT low from L1, normal once its SLO stayed broken through L1-L3 (L4); high never.
         # Only predictions already checked against measurements refuse anybody.
-        chosen = next((w for w in loads if w.worker_id == worker and w.token_s > 0), None)
+        chosen = next((w for w in loads if w.worker_id == worker and w.measured), None)
         own_tpot = chosen.tpot_s(prompt_tokens, output_tokens) if chosen is not None else 0.0
         if refused_by_prediction(priority, level) and self.ttft_model.trusted:
-            self._check_ttft(loads, priority, level, prompt_tokens, predicted)
+            self._check_ttft(loads, priority, level, (prompt_tokens, prompt), predicted)
         tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
         if refused_by_prediction(priority, level) and level >= tpot_from and self.tpot_model.trusted:
             self._check_tpot(priority, level, self.tpot_model.factor * own_tpot)
@@ -229,7 +240,8 @@ class Degradation:
         if shortened:
             plan.max_tokens_cap = self.cfg.max_tokens_cap
             plan.context_cap = self.cfg.max_context_tokens
-        self._unplaced[request_id] = Queued(priority, prompt_tokens, worker, time.monotonic())
+        new = max(1, prompt_tokens - self.src.cached(worker, prompt)) if prompt and worker >= 0 else prompt_tokens
+        self._unplaced[request_id] = Queued(priority, new, worker, time.monotonic())
         if chosen is not None:  # the models' own figures, to learn from
             self._predicted[request_id] = (predicted / self.ttft_model.factor, own_tpot)
         return plan
@@ -260,7 +272,12 @@ class Degradation:
             )
 
     def _check_ttft(
-        self, loads: list[WorkerLoad], priority: Priority, level: Level, prompt_tokens: int, predicted: float
+        self,
+        loads: list[WorkerLoad],
+        priority: Priority,
+        level: Level,
+        prompt: tuple[int, Sequence[int]],
+        predicted: float,
     ) -> None:
         """A request predicted to miss its TTFT target (low: its p50, giving way first; normal: its p99)
         while the TPOT SLO is broken (no capacity to spare); else only past `ttft_refuse` x it. A prompt
@@ -268,8 +285,8 @@ class Degradation:
         the queue ahead has drained to the target."""
         target = self.slo.targets(priority).ttft_ms
         bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000
-        idle = [WorkerLoad(w.worker_id, w.base_s, w.token_s, w.kv_total, 0) for w in loads]
-        bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority)[0])
+        idle = [dataclasses.replace(w, kv_used=0, running=[], queued=[]) for w in loads]
+        bar = max(bar, 2 * self._predict(idle, prompt[0], priority, prompt[1])[0])
         overloaded = self._capacity_p99_ms > self.slo.targets(Priority.NORMAL).tpot_ms.p99
         factor = 1.0 if overloaded else self.cfg.ttft_refuse
         if predicted > factor * bar:
@@ -388,7 +405,7 @@ class Degradation:
         rows = []
         for w in loads:
             ttft = predict_ttft(w, TYPICAL_PROMPT, Priority.NORMAL, self.sched, self.block_size, target)
-            tpot = w.tpot_s(TYPICAL_PROMPT, TYPICAL_OUTPUT) if w.token_s > 0 else 0.0
+            tpot = w.tpot_s(TYPICAL_PROMPT, TYPICAL_OUTPUT) if w.measured else 0.0
             rows.append(
                 {
                     "worker": w.worker_id,

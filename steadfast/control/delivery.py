@@ -81,3 +81,6 @@ class Flight:
     last_stamp: float = 0.0
     last_worker: int = -1
     retried: bool = False  # it failed or stalled on a worker once and was retried elsewhere
+    # Tokens of its prompt cached on the worker it was placed on, then: the ladder's TTFT prediction
+    # counts only the rest as prefill ahead of later requests.
+    cached: int = 0

@@ -257,6 +257,8 @@ class EngineClient:
             mark.delivered = list(request.resume.output_ids)
             mark.text_chars = request.resume.text_chars
         flight = Flight(request, asyncio.Queue(), mark)
+        if request.resume is None:
+            flight.cached = self.router.cached_on(worker.worker_id, request.prompt_ids)
         self._flights[rid] = flight
         self.resumption_records.forget(rid)
         worker.in_flight.add(rid)

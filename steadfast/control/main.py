@@ -75,7 +75,7 @@ async def serve(
         cfg.slo,
         cfg.scheduler,
         cfg.cache.block_size,
-        Sources(client.registry, client.flights, client.broadcast),
+        Sources(client.registry, client.flights, client.broadcast, client.router.cached_on),
         on_change=ctx.metrics.level_changed,
         on_refuse=ctx.metrics.refused,
     )

@@ -127,6 +127,14 @@ class Router:
             self.decisions.append(Decision(time.time(), request_id, self.policy.value, chosen.worker_id, scored))
         return chosen
 
+    def cached_on(self, worker_id: int, prompt: Sequence[int]) -> int:
+        """Tokens of `prompt` the worker holds cached, as its cache events told (the last token is always
+        computed: it gives the first output's logits)."""
+        return self._cached(worker_id, prompt, chain(prompt, self.block_size, len(prompt) // self.block_size))
+
+    def _cached(self, worker_id: int, prompt: Sequence[int], names: list[bytes]) -> int:
+        return min(self.index.cached_blocks(worker_id, names) * self.block_size, max(0, len(prompt) - 1))
+
     def _kv_aware(
         self,
         candidates: list[WorkerHandle],
@@ -136,10 +144,10 @@ class Router:
         request_id: str,
     ) -> list[Candidate]:
         loads = self.loads(request_id) if self.loads is not None else {}
-        measured = all(w.worker_id in loads and loads[w.worker_id].token_s > 0 for w in candidates)
+        measured = all(w.worker_id in loads and loads[w.worker_id].measured for w in candidates)
         scored = []
         for w in candidates:
-            cached = min(self.index.cached_blocks(w.worker_id, names) * self.block_size, max(0, len(prompt) - 1))
+            cached = self._cached(w.worker_id, prompt, names)
             new = len(prompt) - cached
             load = loads.get(w.worker_id)
             if measured and load is not None:

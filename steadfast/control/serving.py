@@ -100,7 +100,7 @@ async def admit(
     ladder = ctx.degradation
     if ladder is None or resuming:
         return prepared
-    plan = ladder.plan(rid, Priority[body.priority.upper()], len(prompt_ids), prepared.add.params.max_tokens)
+    plan = ladder.plan(rid, Priority[body.priority.upper()], prompt_ids, prepared.add.params.max_tokens)
     if not plan.level:
         return prepared
     try:

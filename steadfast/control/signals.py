@@ -82,11 +82,16 @@ class WorkerLoad:
 
     worker_id: int
     base_s: float  # a step's fixed cost
-    token_s: float  # ... and per token computed (0: not measured yet)
+    decode_s: float  # ... and per decoding row (0: not measured yet)
+    prefill_s: float  # ... and per prompt token computed
     kv_total: int
     kv_used: int
     running: list[Running] = field(default_factory=list)
     queued: list[Queued] = field(default_factory=list)
+
+    @property
+    def measured(self) -> bool:
+        return self.decode_s > 0 and self.prefill_s > 0
 
     @property
     def kv_use(self) -> float:
@@ -94,7 +99,7 @@ class WorkerLoad:
 
     def decode_step_s(self, extra: int = 0) -> float:
         """Expected time of a step that decodes every running request (and `extra` more)."""
-        return self.base_s + (len(self.running) + extra) * self.token_s
+        return self.base_s + (len(self.running) + extra) * self.decode_s
 
     def tpot_s(self, prompt: int, output: int) -> float:
         """Expected time per output token of a new request of `prompt` and `output` tokens placed here, from
@@ -103,7 +108,7 @@ class WorkerLoad:
         ladder corrects this by what finished requests measured (`Calibration`)."""
         n = len(self.running) + len(self.queued) + 1
         prefill = sum(q.prompt_tokens for q in self.queued) + prompt
-        return self.base_s + n * self.token_s + prefill * self.token_s / max(1, output)
+        return self.base_s + n * self.decode_s + prefill * self.prefill_s / max(1, output)
 
 
 class Calibration:
@@ -145,22 +150,27 @@ def predict_ttft(
     The worker's scheduler serves waiting prompts by priority: those queued at this priority or above
     are computed first, in chunks that share each step with the running decodes (paced to
     `step_target_ms`, else `decode_step_target_ms`, while clients stream; at least `prefill_floor_tokens`;
-    a high-priority prompt is not paced). When the KV those
-    prompts need is not free, the wait includes the decodes until enough running requests finish.
+    a high-priority prompt is not paced), after the step in progress (half done, on average). When the
+    KV those prompts need is not free, the wait includes the decodes until enough running requests finish.
     0 while the worker's step cost is unknown (no prediction rather than a guess)."""
-    if w.token_s <= 0:
+    if not w.measured:
         return 0.0
     ahead = [q for q in w.queued if q.priority <= priority]
     tokens = prompt_tokens + sum(q.prompt_tokens for q in ahead)
-    decoding = len(w.running)
+    # Beside the prefill decode the requests running now, joined by each prompt ahead once computed:
+    # half of those, on average over the wait.
+    decoding = len(w.running) + len(ahead) // 2
+    decode_step = w.decode_step_s(len(ahead) // 2)
     chunk = sched.max_num_batched_tokens - decoding
     target = step_target_ms or sched.decode_step_target_ms
     if decoding and target > 0 and priority != Priority.HIGH:
-        room = (target / 1000 - w.decode_step_s()) / w.token_s
+        room = (target / 1000 - decode_step) / w.prefill_s
         chunk = min(chunk, int(room))
     chunk = max(chunk, sched.prefill_floor_tokens, 1)
     steps = math.ceil(tokens / chunk)
-    wait = steps * (w.decode_step_s() + min(chunk, tokens) * w.token_s)
+    wait = steps * (decode_step + min(chunk, tokens) * w.prefill_s)
+    if w.running:
+        wait += w.decode_step_s() / 2
     need = sum(-(-q.prompt_tokens // block_size) for q in ahead) + -(-prompt_tokens // block_size)
     short = need - (w.kv_total - w.kv_used) if w.kv_total else 0
     if short > 0:

@@ -391,7 +391,7 @@ class Engine:
             self._let_go(request)
         seconds = time.perf_counter() - t0
         if timed:
-            self.scheduler.cost.observe(scheduled.num_tokens, seconds)
+            self.scheduler.cost.observe(scheduled.num_decode_rows, scheduled.num_prefill, seconds)
         self.step_tokens += scheduled.num_tokens
         self.step_seconds += seconds
         self.last_step_end = time.monotonic()

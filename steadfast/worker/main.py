@@ -54,7 +54,7 @@ from steadfast.worker.cache_report import CacheReporter
 from steadfast.worker.engine import Engine, LoadedModel, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.startup import StartupPhases, trim_heap
-from steadfast.worker.step_cost import StepCost
+from steadfast.worker.step_cost import StepCost, StepLine
 
 log = logging.getLogger("steadfast.worker")
 
@@ -89,7 +89,7 @@ class WorkerLoop:
         steps0, seconds0, tokens0 = self._last_counts
         self._last_counts = (e.steps, e.step_seconds, e.step_tokens)
         steps = e.steps - steps0
-        base, per_token = e.scheduler.cost.line() or (0.0, 0.0)
+        cost = e.scheduler.cost.line() or StepLine(0.0, 0.0, 0.0)
         return WorkerStatus(
             self.worker_id,
             os.getpid(),
@@ -103,8 +103,9 @@ class WorkerLoop:
             prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
             step_ms=1000 * (e.step_seconds - seconds0) / steps if steps else 0.0,
             step_tokens=(e.step_tokens - tokens0) / steps if steps else 0.0,
-            step_base_ms=1000 * base,
-            step_token_ms=1000 * per_token,
+            step_base_ms=1000 * cost.base_s,
+            step_decode_ms=1000 * cost.decode_s,
+            step_prefill_ms=1000 * cost.prefill_s,
             node=self.node,
             kv_addresses=e.kv.receiver.addresses if e.kv.receiver is not None else [],
             kv_blocks_incoming=e.kv.receiver.held_blocks if e.kv.receiver is not None else 0,

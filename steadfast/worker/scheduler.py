@@ -52,8 +52,18 @@ class ScheduledStep:
         return not self.decodes and not self.prefills and not self.verifies
 
     @property
+    def num_decode_rows(self) -> int:
+        """Requests computing their next token (a verifying one's own row too)."""
+        return len(self.decodes) + len(self.verifies)
+
+    @property
+    def num_prefill(self) -> int:
+        """Prompt tokens computed, and draft tokens verified (rows of a prefill's kind: their cost)."""
+        return sum(n for _, n in self.prefills) + sum(len(d) for _, d in self.verifies)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills) + sum(1 + len(d) for _, d in self.verifies)
+        return self.num_decode_rows + self.num_prefill
 
 
 # A decoding request and the step budget left → the draft tokens it would verify (none: a plain decode).

@@ -33,7 +33,8 @@ def flight(rid: str, priority: Priority, prompt: int, owner: int, delivered: int
 class Service:
     """One mixed worker (id 0) whose step costs 10 ms + 1 ms per token, with requests placed on it."""
 
-    def __init__(self, **cfg: object) -> None:
+    def __init__(self, cached: int = 0, **cfg: object) -> None:
+        """`cached`: tokens of every prompt the worker holds cached (its cache events)."""
         self.registry = WorkerRegistry()
         self.registry.add(0, "ipc://w0", WorkerRole.MIXED)
         self.report(used=0)
@@ -44,7 +45,7 @@ class Service:
             SloConfig(),
             SCHED,
             16,
-            Sources(self.registry, lambda: self.flights, self._send),
+            Sources(self.registry, lambda: self.flights, self._send, lambda worker, ids: min(cached, len(ids) - 1)),
         )
         # Predictions trusted from the first request (a server trusts them once 8 were checked).
         self.d.ttft_model = Calibration(min_samples=0)
@@ -54,16 +55,15 @@ class Service:
         self.sent.append(orders)
 
     def report(self, used: int, total: int = 1000) -> None:
-        self.registry.observe(
-            WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY, total, used, step_base_ms=10.0, step_token_ms=1.0)
-        )
+        cost = {"step_base_ms": 10.0, "step_decode_ms": 1.0, "step_prefill_ms": 1.0}
+        self.registry.observe(WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY, total, used, **cost))
 
     def admit(self, priority: Priority, prompt: int = 64, output: int = 64) -> object:
-        return self.d.plan(f"r{len(self.flights)}-{priority}", priority, prompt, output)
+        return self.d.plan(f"r{len(self.flights)}-{priority}", priority, [1] * prompt, output)
 
 
 def test_predicted_ttft_counts_the_queue_ahead_at_or_above_the_priority_and_waits_for_kv():
-    w = WorkerLoad(0, 0.010, 0.001, kv_total=1000, kv_used=0)
+    w = WorkerLoad(0, 0.010, 0.002, 0.001, kv_total=1000, kv_used=0)
     alone = predict_ttft(w, 100, Priority.NORMAL, SCHED, 16)
     assert alone == pytest.approx(0.010 + 0.100)  # one step of 100 prompt tokens
     w.queued = [Queued(Priority.LOW, 400, 0, 0.0)] * 4 + [Queued(Priority.HIGH, 300, 0, 0.0)]
@@ -75,7 +75,27 @@ def test_predicted_ttft_counts_the_queue_ahead_at_or_above_the_priority_and_wait
     assert paced > alone  # decodes share each step, prefill is paced beside them
     w.kv_used = 995  # no room for 7 blocks: it waits for the first request to finish
     assert predict_ttft(w, 100, Priority.NORMAL, SCHED, 16) >= paced + 50 * w.decode_step_s()
-    assert predict_ttft(WorkerLoad(0, 0.0, 0.0, 10, 0), 100, Priority.NORMAL, SCHED, 16) == 0.0  # not measured
+    assert predict_ttft(WorkerLoad(0, 0.0, 0.0, 0.0, 10, 0), 100, Priority.NORMAL, SCHED, 16) == 0.0  # not measured
+
+
+def test_prompts_ahead_decode_beside_the_later_ones_and_a_cached_prefix_is_not_computed():
+    w = WorkerLoad(0, 0.010, 0.002, 0.001, kv_total=1000, kv_used=0)
+    w.running = [Running(remaining_tokens=50, blocks=10)] * 40
+    w.queued = [Queued(Priority.NORMAL, 100, 0, 0.0)] * 20
+    predicted = predict_ttft(w, 100, Priority.NORMAL, SCHED, 16)
+    # 2100 tokens, 140 a step (what 250 ms leave beside decoding the 40 running and half the 20 ahead:
+    # 110 ms): 15 steps, after half the step in progress (45 ms).
+    assert predicted == pytest.approx(15 * (0.010 + 50 * 0.002 + 140 * 0.001) + 0.045)
+    # The ladder predicts a prompt's TTFT from what its worker does not hold cached, and counts a
+    # request placed there by what it did not.
+    plain, cached = Service(), Service(cached=480)
+    for s in (plain, cached):
+        s.flights = [flight(f"r{i}", Priority.NORMAL, 10, 0, delivered=2) for i in range(8)]
+        s.flights += [flight("queued", Priority.NORMAL, 500, 0)]
+        s.flights[-1].cached = 480
+    whole, rest = (s.d.plan("new", Priority.NORMAL, [1] * 600, 64).predicted_ttft_ms for s in (plain, cached))
+    assert rest < whole
+    assert cached.d.loads()[0].queued[0].prompt_tokens == 20
 
 
 def test_window_percentiles_forget_old_values():
@@ -241,7 +261,7 @@ def test_predictions_learn_from_what_requests_measured():
     for i in range(200):  # every request's TTFT is twice, its TPOT half what the model says
         rid = f"x{i}"
         own_tpot = s.d.loads()[0].tpot_s(100, 64)
-        plan = s.d.plan(rid, Priority.NORMAL, 100, 64)
+        plan = s.d.plan(rid, Priority.NORMAL, [1] * 100, 64)
         own_ttft = plan.predicted_ttft_ms / 1000 / s.d.ttft_model.factor
         s.d.first_token(rid, Priority.NORMAL, 2 * own_ttft)
         s.d.finished(rid, Priority.NORMAL, 0.5 * own_tpot, 64)

@@ -208,7 +208,7 @@ def test_kv_aware_routing_prefers_the_cached_prefix_until_the_queue_costs_more()
     router = Router(RoutingConfig(), SchedulerConfig(), 16)
     prompt = list(range(1000, 1000 + 512))
     router.index.apply(CacheEvents(1, chain(prompt, 16, 32), reset=True))
-    loads = {i: WorkerLoad(i, 0.01, 0.001, 100, 10) for i in range(2)}
+    loads = {i: WorkerLoad(i, 0.01, 0.001, 0.001, 100, 10) for i in range(2)}
     router.loads = lambda _rid: loads
     assert router.choose(workers, prompt, Priority.NORMAL, "a").worker_id == 1
     assert router.decisions[-1].candidates[1].cached_tokens == 511

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 
 from steadfast.config import SchedulerConfig
@@ -68,29 +70,53 @@ def test_preemption_takes_the_lowest_priority_latest_request():
     bm.check_integrity()
 
 
-def timed_cost(base_ms: float, per_token_ms: float) -> StepCost:
-    """A cost model that has seen steps of 1 to 200 tokens take base + per_token × tokens."""
+def timed_cost(base_ms: float, decode_ms: float, prefill_ms: float | None = None, rounds: int = 5) -> StepCost:
+    """A cost model that has seen steps of 1 to 32 decode rows beside 0 to 200 prompt tokens take
+    base + decode × rows + prefill × tokens (prefill: the decode cost, unless given)."""
     cost = StepCost()
-    for _ in range(5):
-        for n in (1, 50, 100, 200):
-            cost.observe(n, (base_ms + per_token_ms * n) / 1000)
+    prefill_ms = decode_ms if prefill_ms is None else prefill_ms
+    for _ in range(rounds):
+        for d, p in ((1, 0), (8, 50), (32, 0), (1, 200), (16, 100), (32, 20)):
+            cost.observe(d, p, (base_ms + decode_ms * d + prefill_ms * p) / 1000)
     return cost
 
 
-def test_step_cost_fits_the_line_and_follows_a_change():
+def test_step_cost_needs_steps_of_different_sizes():
     cost = StepCost()
-    assert cost.line() is None
+    assert cost.line() is None and cost.prefill_room(4, 0.25) is None
     for _ in range(30):
-        cost.observe(4, 0.05)
+        cost.observe(4, 0, 0.05)
     assert cost.line() is None  # steps of one size tell nothing of the slope
     cost = timed_cost(40, 2)
-    base, per_token = cost.line()
-    assert base == pytest.approx(0.040) and per_token == pytest.approx(0.002)
-    assert cost.prefill_room(decode_tokens=5, target_s=0.25) == 100  # (250 - 40) / 2 - 5
-    for _ in range(200):  # the machine got twice as slow per token
-        for n in (1, 100):
-            cost.observe(n, (40 + 4 * n) / 1000)
-    assert cost.line()[1] == pytest.approx(0.004, rel=0.01)
+    assert astuple(cost.line()) == pytest.approx((0.040, 0.002, 0.002))
+    assert cost.prefill_room(decodes=5, target_s=0.25) == 100  # (250 - 40 - 5 x 2) / 2
+
+
+def test_step_cost_tells_a_decode_row_from_a_prompt_token_and_follows_a_change():
+    cost = timed_cost(40, 3, 0.5, rounds=40)  # the first line has one slope; the next ones part them
+    assert astuple(cost.line()) == pytest.approx((0.040, 0.003, 0.0005), rel=1e-3)
+    assert cost.prefill_room(decodes=10, target_s=0.25) == 360  # (250 - 40 - 10 x 3) / 0.5
+    steps = ((4, 0), (8, 100), (2, 300))
+    for _ in range(40):  # prompts got twice as slow a token (and the rows vary too little to refit theirs)
+        for d, p in steps:
+            cost.observe(d, p, (40 + 3 * d + 1.0 * p) / 1000)
+    line = cost.line()
+    assert line.prefill_s == pytest.approx(0.001, rel=0.01)
+    for d, p in steps:
+        assert line.seconds(d, p) == pytest.approx((40 + 3 * d + 1.0 * p) / 1000, rel=0.01)
+
+
+def test_steady_decoding_prices_its_prompts_and_keeps_the_step_it_runs():
+    """Thirty-two streams decode every step, now and then beside a prompt: the steps tell what a prompt
+    token costs and what the whole decode step costs, not what one row does (the rows never change)."""
+    cost = timed_cost(40, 2)  # what the warm-up saw: one slope
+    for i in range(200):  # really: 52 ms for the 32 rows, 0.8 ms a prompt token
+        p = 80 if i % 4 == 0 else 0
+        cost.observe(32, p, (52 + 0.8 * p) / 1000)
+    line = cost.line()
+    assert line.prefill_s == pytest.approx(0.0008, rel=0.02)
+    assert line.seconds(32) == pytest.approx(0.052, rel=0.02) and line.base_s >= 0.0
+    assert cost.prefill_room(32, 0.080) == pytest.approx(35, abs=1)  # (80 - 52) / 0.8
 
 
 def test_a_prefill_burst_is_spread_over_steps_while_others_decode():
@@ -150,8 +176,8 @@ def test_a_taken_over_stream_is_not_cut_nor_kept_waiting_behind_new_prompts():
 def test_the_line_outlives_a_quiet_spell_and_drafts_take_room():
     cost = timed_cost(40, 2)
     for _ in range(200):  # a long run of same-size decode steps: no spread left to fit on
-        cost.observe(3, 0.046)
-    assert cost.line() == pytest.approx((0.040, 0.002))  # the burst after it is still paced
+        cost.observe(3, 0, 0.046)
+    assert astuple(cost.line()) == pytest.approx((0.040, 0.002, 0.002))  # the burst after it is still paced
     cfg = SchedulerConfig(max_num_batched_tokens=512, decode_step_target_ms=250, prefill_floor_tokens=16)
     for drafts, room in (([], 104), ([9, 9, 9, 9], 100)):
         s = Scheduler(cfg, BlockManager(256, 4, False), drafter=lambda r, budget, d=drafts: list(d))
