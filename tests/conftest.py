@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.config import Config, default_model_path
+from steadfast.config import Config, ConfigError, default_model_path
 from steadfast.kv.arena import KVArena
 from steadfast.kv.arena_file import make_tier, remove_tier, tier_spec
 from steadfast.kv.spec import arena_spec
@@ -95,6 +95,31 @@ def small_config(small_model_path: str) -> Config:
 @pytest.fixture(scope="session")
 def small_model(small_config: Config) -> LoadedModel:
     return load_model(small_config)
+
+
+def deterministic(cfg: Config) -> Config:
+    """`cfg` in the default dtype (bf16) with `model.deterministic` (issue 21): the same tokens whatever
+    the batch, the chunking, a takeover or a migration."""
+    return cfg.replace(model={"dtype": "bfloat16", "deterministic": True})
+
+
+def load_deterministic(cfg: Config) -> LoadedModel:
+    """The model of a `deterministic` config; the test is skipped where the mode's kernels do not run
+    (no AVX-512 or no C compiler: the load refuses the mode)."""
+    try:
+        return load_model(cfg)
+    except ConfigError as exc:
+        pytest.skip(f"model.deterministic does not run here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def small_deterministic_config(small_config: Config) -> Config:
+    return deterministic(small_config)
+
+
+@pytest.fixture(scope="session")
+def small_deterministic_model(small_deterministic_config: Config) -> LoadedModel:
+    return load_deterministic(small_deterministic_config)
 
 
 @pytest.fixture

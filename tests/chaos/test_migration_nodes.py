@@ -1,13 +1,13 @@
-"""Live migration across nodes, with real processes (`decode_node: separate`, the small model, fp32, a
-standby per node). First without faults: a request prefilled on node 0 and decoding on node 1's decode
-worker is moved to node 0's mixed worker (and back, five times) — its KV copied in rounds while it
-decodes, then stopped and copied, then committed — and the client's stream must equal the in-process
-engine's, token for token, with bytes on the wire for each migration. Then faults: every data frame lost
-on every path, the COMMIT ack lost, a copy stage held past `migration.timeout`, `kill -9` of the source
+"""Live migration across nodes, with real processes (`decode_node: separate`, the small model in bf16 with
+`model.deterministic`, a standby per node). First without faults: a request prefilled on node 0 and decoding
+on node 1's decode worker is moved to node 0's mixed worker (and back, five times) — its KV copied in rounds
+while it decodes, then stopped and copied, then committed — and the client's stream must equal the
+in-process engine's, token for token, with bytes on the wire for each migration. Then faults: every data frame
+lost on every path, the COMMIT ack lost, a copy stage held past `migration.timeout`, `kill -9` of the source
 mid-copy, `kill -9` of the destination mid-copy. Each must end with the request completed exactly once —
 what the client received equal to the engine's stream, no duplicate, no gap — the fault must really have
-happened (the migration's record says how it ended; a drill's log line says it acted), and `check_node`
-must be clean on both pools, with no block left to the dead and none held for a move once all is idle.
+happened (the migration's record says how it ended; a drill's log line says it acted), and `check_node` must
+be clean on both pools, with no block left to the dead and none held for a move once all is idle.
 
 The fault drills are the KV wire's own (`transfer.faults_file`, read at the start of every move; the
 receiver's `drop_acks` and `hold_s` at every session it opens); a migration is slowed with `delay_s` so a
@@ -35,8 +35,8 @@ from tests.integration.test_migration import migrate, reference, stream_moved
 
 
 @pytest.fixture
-def want(small_config, small_model) -> dict[int, list[int]]:
-    return reference(small_config, small_model)
+def want(small_deterministic_config, small_deterministic_model) -> dict[int, list[int]]:
+    return reference(small_deterministic_config, small_deterministic_model)
 
 
 pytestmark = pytest.mark.chaos
@@ -45,13 +45,13 @@ MIGRATION_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, small_model_path):
+def server(tmp_path_factory, small_model_path, small_deterministic_model):  # skipped where the mode cannot run
     tmp = tmp_path_factory.mktemp("migration-faults")
     url = sqlite_url(str(tmp / "ledger.db"))
     faults = tmp / "faults"
     faults.write_text("")
     cfg = (
-        "model: {dtype: float32, device: cpu}\n"
+        "model: {dtype: bfloat16, deterministic: true, device: cpu}\n"
         "cache: {kv_memory_mb: 64}\n"
         "server: {workers: 1, prefill_workers: 1, decode_workers: 1, decode_node: separate, standby_workers: 1,"
         " threads_per_worker: 1}\n"

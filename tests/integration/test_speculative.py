@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from steadfast.protocol import AddRequest, SamplingParams
+from tests.conftest import deterministic, load_deterministic
 
 pytestmark = pytest.mark.integration
 
@@ -65,3 +66,16 @@ def test_outputs_are_the_same_with_speculation_on_and_off(
     # It really speculated: drafts verified and accepted, fewer request-steps for the same tokens.
     assert spec.spec.verify_steps >= 16 and spec.spec.accepted >= 16, vars(spec.spec)
     assert spec.spec.tokens_per_step > 1.1 and spec.spec.decode_steps < plain.spec.decode_steps
+
+
+def test_speculation_changes_no_token_in_bf16_with_the_deterministic_mode(fp32_config, make_engine):
+    """Issue 21: in the default dtype, with `model.deterministic`, a verified draft's row is computed as
+    the same token decoded alone would be, so greedy and seeded outputs are the same bits with
+    speculation on and off (without the mode, verification's rows go through other kernels)."""
+    cfg = deterministic(fp32_config)
+    loaded = load_deterministic(cfg)
+    mixed = lambda i: GREEDY(i) if i % 2 == 0 else SEEDED(i)  # noqa: E731
+    off, _ = run(cfg, loaded, make_engine, mixed)
+    on, spec = run(cfg.replace(speculative={"method": "ngram", "num_draft_tokens": 4}), loaded, make_engine, mixed)
+    assert on == off
+    assert spec.spec.verify_steps >= 16 and spec.spec.accepted >= 16, vars(spec.spec)
