@@ -22,7 +22,16 @@ from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
 from steadfast.control.delivery import Flight
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Ladder, Level, LevelChange, Snapshot
-from steadfast.control.signals import Calibration, Latencies, Queued, Running, Window, WorkerLoad, predict_ttft
+from steadfast.control.signals import (
+    TTFT_LEARN_FROM_S,
+    Calibration,
+    Latencies,
+    Queued,
+    Running,
+    Window,
+    WorkerLoad,
+    predict_ttft,
+)
 from steadfast.control.workers import WorkerHandle, WorkerRegistry
 from steadfast.protocol import Degrade, Priority, WorkerRole
 
@@ -114,7 +123,7 @@ class Degradation:
     _capacity_p99_ms: float = 0.0  # ... its p99 at the last tick
     _orders: Degrade = field(default_factory=Degrade)
     # Predictions corrected by what was measured (the machine's other load, what arrives later).
-    ttft_model: Calibration = field(default_factory=Calibration)
+    ttft_model: Calibration = field(default_factory=lambda: Calibration(floor=TTFT_LEARN_FROM_S))
     tpot_model: Calibration = field(default_factory=Calibration)
     _predicted: dict[str, tuple[float, float]] = field(default_factory=dict)  # own TTFT, TPOT figures, in flight
     _ticks: int = 0

@@ -111,14 +111,24 @@ class WorkerLoad:
         return self.base_s + n * self.decode_s + prefill * self.prefill_s / max(1, output)
 
 
+# TTFT predictions shorter than this teach the calibration nothing: their error is mostly what no model
+# of the queue sees (the step a request lands in, the router's own latency on a busy machine: measured
+# 2-3x predictions of 30-100 ms at c = 32), and a factor learnt from them inflated the long predictions
+# that admission refuses on (measured within ~1.2x of theirs) into refusing a burst served in time.
+TTFT_LEARN_FROM_S = 0.2
+
+
 class Calibration:
     """How far measurements are from a model's predictions: a running mean of log(measured / predicted),
     each observation weighing `rate`, the factor held within [`low`, `high`]. `trusted` once `min_samples`
     predictions were checked: before, a fresh server's first requests are judged on a step-cost line from
     its warm-up alone (measured on one thread by the zygote), which can be far off."""
 
-    def __init__(self, rate: float = 0.05, low: float = 0.5, high: float = 4.0, min_samples: int = 8) -> None:
-        self.rate, self.low, self.high, self.min_samples = rate, low, high, min_samples
+    def __init__(
+        self, rate: float = 0.05, low: float = 0.5, high: float = 4.0, min_samples: int = 8, floor: float = 0.0
+    ) -> None:
+        """`floor`: predictions below it are not learnt from (see TTFT_LEARN_FROM_S)."""
+        self.rate, self.low, self.high, self.min_samples, self.floor = rate, low, high, min_samples, floor
         self._log = 0.0
         self.samples = 0
 
@@ -132,7 +142,7 @@ class Calibration:
 
     def learn(self, predicted: float, measured: float) -> None:
         """`predicted`: the model's own figure (not multiplied by the factor)."""
-        if predicted > 0:
+        if predicted > 0 and predicted >= self.floor:
             self._log += self.rate * (math.log(max(measured, 1e-4) / predicted) - self._log)
             self.samples += 1
 

@@ -15,7 +15,7 @@ from steadfast.control.degrade import Degradation, Sources
 from steadfast.control.delivery import Flight, Watermark
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Level
-from steadfast.control.signals import Calibration, Queued, Running, Window, WorkerLoad, predict_ttft
+from steadfast.control.signals import TTFT_LEARN_FROM_S, Calibration, Queued, Running, Window, WorkerLoad, predict_ttft
 from steadfast.control.truncate import cut_chat, cut_prompt
 from steadfast.control.workers import WorkerRegistry
 from steadfast.protocol import AddRequest, Degrade, Priority, SamplingParams, WorkerRole, WorkerState, WorkerStatus
@@ -292,3 +292,17 @@ def test_no_refusal_by_prediction_before_predictions_were_checked():
         s.d.ttft_model.learn(1.0, 1.0)
     with pytest.raises(APIError):
         s.admit(Priority.LOW)
+
+
+def test_short_ttft_predictions_do_not_move_the_calibration():
+    """At c = 32 a 50 ms prediction measures 150 ms (the step it lands in, the router's own latency) while
+    a 700 ms one measures ~700: learnt from the short ones, the factor would inflate the long ones that
+    admission refuses on."""
+    c = Calibration(floor=TTFT_LEARN_FROM_S)
+    for _ in range(50):
+        c.learn(0.05, 0.15)
+    assert c.factor == 1.0 and not c.trusted
+    for _ in range(50):
+        c.learn(0.05, 0.15)
+        c.learn(0.7, 0.7)
+    assert c.factor == pytest.approx(1.0) and c.trusted
