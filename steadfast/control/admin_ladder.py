@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Level
+from steadfast.control.ladder_view import ladder_view
 from steadfast.control.serving import ServingContext
 
 
@@ -29,7 +30,7 @@ def add_degradation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/admin/degradation")
     async def degradation() -> dict[str, Any]:
-        return ladder().view()
+        return ladder_view(ladder())
 
     @app.post("/admin/degradation")
     async def set_degradation(body: LevelBody) -> dict[str, Any]:
@@ -39,4 +40,4 @@ def add_degradation_routes(app: FastAPI, ctx: ServingContext) -> None:
         else:
             d.set_level(Level(body.level))
             await d.tick()  # the workers hear the new orders now, not at the next tick
-        return d.view()
+        return ladder_view(d)

@@ -16,7 +16,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
 from steadfast.control.delivery import Flight
@@ -168,6 +167,12 @@ class Degradation:
             if q.worker in loads and rid != exclude:
                 loads[q.worker].queued.append(q)
         return list(loads.values())
+
+    @property
+    def capacity_tpot_p99_ms(self) -> float:
+        """L1's capacity signal at the last tick: TPOT p99 of the protected requests of CAPACITY_MIN_TOKENS
+        tokens or more."""
+        return self._capacity_p99_ms
 
     def step_target_ms(self, level: Level) -> float:
         """From L1 on, a step beside streams is kept within the TPOT p99 target (0: the workers' own)."""
@@ -406,72 +411,3 @@ class Degradation:
         )
         if self.on_change is not None:
             self.on_change(change)
-
-    def worker_signals(self, loads: list[WorkerLoad]) -> list[dict[str, float]]:
-        """Each serving worker's own signals: KV use, requests, a typical new normal request's predicted
-        TTFT and time per token there (calibrated)."""
-        target = self.step_target_ms(self.ladder.level)
-        rows = []
-        for w in loads:
-            ttft = predict_ttft(w, TYPICAL_PROMPT, Priority.NORMAL, self.sched, self.block_size, target)
-            tpot = w.tpot_s(TYPICAL_PROMPT, TYPICAL_OUTPUT) if w.measured else 0.0
-            rows.append(
-                {
-                    "worker": w.worker_id,
-                    "kv_use": round(w.kv_use, 3),
-                    "running": len(w.running),
-                    "queued": len(w.queued),
-                    "predicted_ttft_ms": round(1000 * self.ttft_model.factor * ttft, 1),
-                    "predicted_tpot_ms": round(1000 * self.tpot_model.factor * tpot, 1),
-                }
-            )
-        return rows
-
-    def view(self) -> dict[str, Any]:
-        """GET /admin/degradation: the level, what it does to each priority, why, the signals (service-wide
-        and per worker), the history."""
-        loads = self.loads()
-        snap = self.snapshot(loads)
-        level = self.ladder.level
-        orders = self.orders(snap)
-        now = time.monotonic()
-        per_priority = {}
-        for p in Priority:
-            targets = self.slo.targets(p)
-            lat = self.latencies[p]
-            if level >= Level.L5 and (p != Priority.HIGH):
-                admission = "refused (503)"
-            elif level >= Level.L5:
-                admission = f"within the reserve of {self.cfg.high_reserve} per worker"
-            elif refused_by_prediction(p, level):
-                admission = "refused (429) when its predicted TTFT (or TPOT) breaks its bar for this level"
-            else:
-                admission = "open"
-            per_priority[p.label] = {
-                "admission": admission,
-                "speculative": int(p) < orders.speculate_below,
-                "offloaded": int(p) >= orders.offload_from,
-                "shortened": level >= Level.L4 and p != Priority.HIGH,
-                "slo_ms": {"ttft": vars(targets.ttft_ms), "tpot": vars(targets.tpot_ms)},
-                "observed_ms": {
-                    "ttft_p50": 1000 * lat.ttft.percentile(0.5, now),
-                    "ttft_p99": 1000 * lat.ttft.percentile(0.99, now),
-                    "tpot_p50": 1000 * lat.tpot.percentile(0.5, now),
-                    "tpot_p99": 1000 * lat.tpot.percentile(0.99, now),
-                },
-            }
-        return {
-            "level": int(level),
-            "action": level.action,
-            "mode": "manual" if self.ladder.override is not None else ("auto" if self.cfg.enabled else "off"),
-            "since_s": round(now - self.ladder.since, 3),
-            "reason": self.ladder.reason,
-            "signals": snap.as_dict(),
-            "workers": self.worker_signals(loads),
-            # measured / predicted, learnt from finished requests
-            "calibration": {"ttft": round(self.ttft_model.factor, 3), "tpot": round(self.tpot_model.factor, 3)},
-            # L1's capacity signal: TPOT p99 of the protected requests of CAPACITY_MIN_TOKENS tokens or more.
-            "capacity_tpot_p99_ms": round(self._capacity_p99_ms, 1),
-            "priorities": per_priority,
-            "history": [c.as_dict() for c in self.ladder.history],
-        }

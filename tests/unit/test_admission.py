@@ -15,6 +15,7 @@ from steadfast.control.degrade import Degradation, Sources
 from steadfast.control.delivery import Flight, Watermark
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Level
+from steadfast.control.ladder_view import ladder_view
 from steadfast.control.signals import TTFT_LEARN_FROM_S, Calibration, Queued, Running, Window, WorkerLoad, predict_ttft
 from steadfast.control.truncate import cut_chat, cut_prompt
 from steadfast.control.workers import WorkerRegistry
@@ -175,7 +176,7 @@ def test_short_requests_slow_beside_a_burst_of_prefills_do_not_count_as_overload
     for i in range(32):  # a burst of 16-token requests at 120 ms a token (15 decoded after the first)
         s.d.finished(f"short{i}", Priority.NORMAL, 0.120, 15)
     asyncio.run(s.d.tick())
-    assert s.d.view()["capacity_tpot_p99_ms"] == 0.0
+    assert ladder_view(s.d)["capacity_tpot_p99_ms"] == 0.0
     s.admit(Priority.NORMAL)
 
 
@@ -268,7 +269,10 @@ def test_predictions_learn_from_what_requests_measured():
         s.d.ended(rid)
     assert s.d.ttft_model.factor == pytest.approx(2.0, rel=0.05)
     assert s.d.tpot_model.factor == pytest.approx(0.5, rel=0.05)
-    assert s.d.view()["calibration"] == {"ttft": pytest.approx(2.0, rel=0.05), "tpot": pytest.approx(0.5, rel=0.05)}
+    assert ladder_view(s.d)["calibration"] == {
+        "ttft": pytest.approx(2.0, rel=0.05),
+        "tpot": pytest.approx(0.5, rel=0.05),
+    }
 
 
 def test_an_idle_service_shows_no_load_whatever_the_calibration_learnt():
@@ -279,7 +283,7 @@ def test_an_idle_service_shows_no_load_whatever_the_calibration_learnt():
     assert s.d.snapshot().load == 0.0  # nothing runs: nothing to slow down, the level can fall
     s.flights = [flight("r", Priority.NORMAL, 10, 0, delivered=2)]
     assert s.d.snapshot().load > 0
-    (row,) = s.d.view()["workers"]
+    (row,) = ladder_view(s.d)["workers"]
     assert row["worker"] == 0 and row["running"] == 1 and row["predicted_tpot_ms"] > 0
 
 
