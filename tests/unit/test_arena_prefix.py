@@ -10,6 +10,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -54,6 +55,9 @@ def cfg() -> Config:
 def arena_path():
     path = f"/dev/shm/steadfast-prefixtest-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv"
     yield path
+    for thread in threading.enumerate():  # its pages made resident: done before this test's log is closed
+        if thread.name == "arena-resident":
+            thread.join(timeout=10)
     ledger = str(Path(path).with_suffix(".db"))  # the tests' SQLite ledger beside it, and its WAL files
     for p in (path, path + ".json", ledger, ledger + "-wal", ledger + "-shm"):
         Path(p).unlink(missing_ok=True)
