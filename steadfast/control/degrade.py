@@ -179,14 +179,14 @@ class Degradation:
         return self.slo.targets(Priority.NORMAL).tpot_ms.p99 if level >= Level.L1 else 0.0
 
     def _predict(
-        self, loads: list[WorkerLoad], prompt: int, priority: Priority, ids: Sequence[int] = ()
+        self, loads: list[WorkerLoad], prompt: int, priority: Priority, cached: dict[int, int] | None = None
     ) -> tuple[float, int]:
         """The shortest predicted TTFT (s) over the serving workers, and that worker's id (-1: none), of
-        a prompt of `prompt` tokens (`ids`, where known: less what each worker holds cached)."""
+        a prompt of `prompt` tokens, less what each worker holds cached (`cached`, by worker id)."""
         best = (0.0, -1)
         target = self.step_target_ms(self.ladder.level)
         for w in loads:
-            new = max(1, prompt - self.src.cached(w.worker_id, ids)) if ids else prompt
+            new = max(1, prompt - (cached or {}).get(w.worker_id, 0))
             t = self.ttft_model.factor * predict_ttft(w, new, priority, self.sched, self.block_size, target)
             if best[1] < 0 or t < best[0]:
                 best = (t, w.worker_id)
@@ -237,7 +237,9 @@ class Degradation:
             prompt, prompt_tokens = (), self.cfg.max_context_tokens
         if shortened:
             output_tokens = min(output_tokens, self.cfg.max_tokens_cap)
-        predicted, worker = self._predict(loads, prompt_tokens, priority, prompt)
+        # Each worker's cached part of the prompt, looked up once (a chain of block hashes).
+        cached = {w.worker_id: self.src.cached(w.worker_id, prompt) for w in loads} if prompt else {}
+        predicted, worker = self._predict(loads, prompt_tokens, priority, cached)
         if level >= Level.L5:
             self._check_breaker(loads, priority, level)
         # Refused by prediction, lowest priority first: by TTFT low against its p50 target, normal against
@@ -246,7 +248,7 @@ class Degradation:
         chosen = next((w for w in loads if w.worker_id == worker and w.measured), None)
         own_tpot = chosen.tpot_s(prompt_tokens, output_tokens) if chosen is not None else 0.0
         if refused_by_prediction(priority, level) and self.ttft_model.trusted:
-            self._check_ttft(loads, priority, level, (prompt_tokens, prompt), predicted)
+            self._check_ttft(loads, priority, level, prompt_tokens, cached, predicted)
         tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
         if refused_by_prediction(priority, level) and level >= tpot_from and self.tpot_model.trusted:
             self._check_tpot(priority, level, self.tpot_model.factor * own_tpot)
@@ -254,7 +256,7 @@ class Degradation:
         if shortened:
             plan.max_tokens_cap = self.cfg.max_tokens_cap
             plan.context_cap = self.cfg.max_context_tokens
-        new = max(1, prompt_tokens - self.src.cached(worker, prompt)) if prompt and worker >= 0 else prompt_tokens
+        new = max(1, prompt_tokens - cached.get(worker, 0))
         self._unplaced[request_id] = Queued(priority, new, worker, time.monotonic())
         if chosen is not None:  # the models' own figures, to learn from
             self._predicted[request_id] = (predicted / self.ttft_model.factor, own_tpot)
@@ -290,7 +292,8 @@ class Degradation:
         loads: list[WorkerLoad],
         priority: Priority,
         level: Level,
-        prompt: tuple[int, Sequence[int]],
+        prompt_tokens: int,
+        cached: dict[int, int],
         predicted: float,
     ) -> None:
         """A request predicted to miss its TTFT target (low: its p50, giving way first; normal: its p99)
@@ -300,7 +303,7 @@ class Degradation:
         target = self.slo.targets(priority).ttft_ms
         bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000
         idle = [dataclasses.replace(w, kv_used=0, running=[], queued=[]) for w in loads]
-        bar = max(bar, 2 * self._predict(idle, prompt[0], priority, prompt[1])[0])
+        bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority, cached)[0])
         overloaded = self._capacity_p99_ms > self.slo.targets(Priority.NORMAL).tpot_ms.p99
         factor = 1.0 if overloaded else self.cfg.ttft_refuse
         if predicted > factor * bar:
