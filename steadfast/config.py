@@ -121,13 +121,13 @@ class ModelConfig:
     # torch's (BLAS) matmul.
     fp32_matmul: str = "auto"
     # Linear weights: "native" computes with the GGUF's own Q4_1 / Q8_0 blocks where our kernel runs (CPU
-    # with AVX-512 and a C compiler): in bf16 for calls of at most `native_max_rows` rows (decode steps;
-    # bigger calls, prefill, use the dequantized weights), in fp32 for every call; "dequantized": always
-    # the dequantized weights, in `dtype`; "auto": native in bf16 where the CPU has AVX512-VNNI and VBMI
-    # (the kernel's integer path), dequantized in fp32 (the mode that is token-exact against
-    # `transformers`). Other GGUF types are always dequantized.
+    # with AVX-512 and a C compiler): in bf16 for calls of at most `native_max_rows` rows (decode steps,
+    # short prefill chunks; bigger calls use the dequantized weights, where oneDNN is as fast), in fp32
+    # for every call; "dequantized": always the dequantized weights, in `dtype`; "auto": native in bf16
+    # where the CPU has AVX512-VNNI (the kernel's integer path), dequantized in fp32 (the mode that is
+    # token-exact against `transformers`). Other GGUF types are always dequantized.
     weights: str = "auto"
-    native_max_rows: int = 4
+    native_max_rows: int = 64
     # Batch-invariant serving: a token's logits (and its K/V) are the same bits whether it is computed
     # alone or beside any others, in a prefill chunk of any length or a decode step, so a takeover,
     # migration or preemption that recomputes a token never changes one. Every row is attended by the

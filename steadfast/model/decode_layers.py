@@ -63,7 +63,9 @@ class DecodePlan:
         by_kind = ([w.attn_norm for w in layers], [w.ffn_norm for w in layers])
         self._norms = [torch.tensor([n.data_ptr() for n in norms], dtype=torch.int64) for norms in by_kind]
         weights = [q for w in layers for q in (w.qkv, w.o, w.gate_up, w.down)]
-        self._weights = torch.tensor([q.rows.data_ptr() for q in weights], dtype=torch.int64)
+        if any(q.panels is None for q in weights):
+            raise ValueError("the decode step takes packed weights (QuantMatmul.pack)")
+        self._weights = torch.tensor([q.panel_args[0] for q in weights], dtype=torch.int64)
         self._types = torch.tensor([int(q.qtype) for q in weights], dtype=torch.int32)
         self._model = _Model(
             cfg.num_layers,

@@ -228,13 +228,14 @@ class LlamaModel:
 
     def _plan(self, native: NativeWeights | None) -> tuple[DecodePlan, int] | None:
         """The decode step in one call, and the most rows it takes (`native`'s): where the fused norm,
-        the RoPE/K-V and paged attention kernels are all in use and every projection is quantized."""
+        the RoPE/K-V and paged attention kernels are all in use and every projection is quantized and
+        packed (the integer path: CPUs with AVX512-VNNI)."""
         if self.decode is None or native is None or None in (self.norm, self.rope_kv, self.paged):
             return None
         layers = []
         for attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down in self.layers:
             projections = [w.native[0] for w in (w_qkv, w_o, w_gate_up, w_down) if w.native is not None]
-            if len(projections) < 4:
+            if len(projections) < 4 or any(p.panels is None for p in projections):  # not packed: no VNNI
                 return None
             layers.append(LayerWeights(attn_norm, ffn_norm, *projections))
         return self.decode.plan(self.cfg, layers, self.cos, self.sin), native.max_rows

@@ -110,6 +110,9 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
         weights = native_layout(reader.tensors, model_cfg) if matmul is not None else {}
         if matmul is not None and dtype == torch.bfloat16 and not matmul.int8 and cfg.model.weights == "auto":
             weights = {}  # bf16 computed as fp32 by the kernel: slower than oneDNN's bf16 matmuls
+        if matmul is not None and weights and dtype == torch.bfloat16:
+            # Packed here, in the zygote where workers are forked from it: they share the copy.
+            weights = {name: matmul.pack(w) for name, w in weights.items()}
         if matmul is not None and weights:
             # In fp32 every call: the kernel's rows are batch-invariant and its weights exact (BLAS's
             # would be the same values, summed in another order).

@@ -1,7 +1,7 @@
 """The quantized-weight kernel (`model/quant_matmul.py`) on the default model's own GGUF blocks: in fp32
 the dequantized weights' products to rounding, in bf16 within bf16's rounding (the integer path's two
-int8 digits of x too), a row's result the same bits alone or among others, fused projections and
-llama.cpp's Q/K row order as row lists."""
+int8 digits of x, on the packed panels, too), a row's result the same bits alone or among others, fused
+projections and llama.cpp's Q/K row order as row lists."""
 
 from __future__ import annotations
 
@@ -111,3 +111,27 @@ def test_what_the_kernel_does_not_handle_is_refused(kernel, gguf):
     q8 = QuantWeight.of(next(t for t in gguf.tensors if t.name == "token_embd.weight"))
     with pytest.raises(ValueError, match="share a type"):
         QuantWeight.stack([w, q8])
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+def test_packed_once_is_what_a_call_packs_and_odd_blocks_of_x_are_exact(kernel, qtype):
+    """The model packs its weights once (`pack`); a bf16 call on an unpacked weight packs it for that call:
+    the same bits. Blocks of x that are all zero, or one large value among tiny ones, stay within rounding
+    (the digits' scale is the block's largest value)."""
+    if not kernel.int8:
+        pytest.skip("no AVX512-VNNI: bf16 inputs are computed as fp32, nothing is packed")
+    k, n = 32 * 6, 37  # three panels of 16 outputs, the last holding 5
+    dense_w = np.random.default_rng(7).standard_normal((n, k)).astype(np.float32)
+    blocks = np.ascontiguousarray(quants.quantize(dense_w, qtype))
+    w = QuantWeight(qtype, k, torch.from_numpy(blocks.ctypes.data + np.arange(n) * blocks.strides[0]), (blocks,))
+    packed = kernel.pack(w)
+    assert packed.panels is not None and kernel.pack(packed) is packed
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    x[1, :32] = 0
+    x[2, 32:64] = 1e-6
+    x[2, 40] = 300.0
+    x = x.bfloat16()
+    assert torch.equal(kernel(x, w), kernel(x, packed))
+    want = x.double() @ torch.from_numpy(quants.dequantize(blocks, qtype)).double().t()
+    got = kernel(x, packed).double()
+    assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-4 * want.abs().max()).all()

@@ -2,16 +2,19 @@
  *
  * W is given as one pointer per output row (`rows[n]`: K / 32 blocks of that row), so a fused
  * projection (Q|K|V, gate|up) and llama.cpp's Q/K row permutation are lists of pointers into the
- * mapped GGUF file: no copy of the weights, and every worker of a host reads the same page-cache pages.
+ * mapped GGUF file. The integer (bf16) path computes on a copy packed from those rows once at load
+ * (`quant_pack`: 5 bits a Q4_1 weight, 8.5 a Q8_0 one).
  *
  * fp32 x: each weight row is dequantized once per call into a buffer (the same fp32 values gguf's numpy
  * dequantization gives: d * q + m, rounded in that order), then dotted with every row of x, its products
- * summed in one fixed order (16 lanes over k, then a fixed pairwise reduction). bf16 x: integer dot
- * products over the blocks (below); where the CPU lacks AVX512-VNNI/VBMI, as fp32.
+ * summed in one fixed order (16 lanes over k, then a fixed pairwise reduction). bf16 x, where the CPU
+ * has AVX512-VNNI: integer dot products over a packed copy of the blocks (`quant_matmul_packed`,
+ * below); elsewhere as fp32.
  *
  * Either way a row's result does not depend on the number of rows of x, their grouping or the thread
  * count (batch-invariant by construction). y is written in x's type (bf16 rounded to nearest even, as
  * torch does). K must be a multiple of 32. */
+#include "bf16.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -88,196 +91,178 @@ static void dots(int rows, const float *w, const float *x, long K, void *y, long
     }
 }
 
-/* --- bf16 x, with AVX512-VNNI and VBMI: integer dot products, as llama.cpp does on the CPU, but with x
- * kept to 16 bits. Each 32-value block of an x row is scaled by its largest magnitude and written as two
- * int8 digits, x = dx * (256 a + b) (|a| <= 127, b the rounded rest), ~15 bits relative to the block's
- * largest value: near the bf16 input's own precision, where one int8 digit (llama.cpp's Q8_1) loses ~1 %
- * of a projection and flipped greedy tokens in the checks. Per weight block, d_w dx (256 sum q a + sum q b)
- * in exact int32 sums (vpdpbusd), + m_w sum x for Q4_1 (the sum of the bf16 values, in fp32).
+/* --- bf16 x, with AVX512-VNNI: integer dot products over weights packed once into panels.
  *
- * The blocks are read where the GGUF keeps them (20 bytes a Q4_1 block, 34 a Q8_0 one): two overlapping
- * 64-byte loads and one byte permutation gather four Q4_1 blocks' nibbles (two Q8_0 blocks' bytes), one
- * word permutation their fp16 scales. */
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+ * Each 32-value block of an x row is scaled by its largest magnitude and written as two int8 digits,
+ * x = dx * (256 a + b) (|a| <= 127, b the rounded rest): ~15 bits against the block's largest value, near
+ * the bf16 input's own precision (one digit, llama.cpp's Q8_1, lost ~1 % of a projection and flipped greedy
+ * tokens). A weight block's products with it are exact int32 sums (vpdpbusd), scaled after:
+ * Q4_1: d_w dx (256 sum q a + sum q b) + m_w sum x; Q8_0 (its q + 128 stored unsigned; the 128 taken off
+ * exactly with the digits' sums): d_w dx (256 sum q a + sum q b).
+ *
+ * `quant_pack` lays a weight out in panels of 16 output rows, block after block: per block the 32 x 16
+ * values as 8 vectors of 4 consecutive k for each of the 16 rows (Q4_1 two such vectors in one, as low
+ * and high nibbles), then the 16 rows' fp16 scales (and minimums). A vector lane is then one output, so
+ * a panel's block against one x row is 16 vpdpbusd with x's 4 bytes broadcast, no reduction across
+ * lanes: each output sums its blocks in order, whatever the number of rows or their grouping. */
+#if defined(__AVX512VNNI__)
 #define VNNI 1
 #define INLINE static inline __attribute__((always_inline))
-enum { ROWS = 4 };            /* x rows sharing one pass over a weight row */
-enum { G4 = 384, G8 = 192 }; /* bytes of prepared x per 4 Q4_1 blocks / 2 Q8_0 blocks */
+enum { PANEL = 16, P4 = 320, P8 = 544 }; /* outputs a panel; bytes of a panel's block: Q4_1, Q8_0 */
+enum { XB = 80, TILE = 8 };             /* bytes of a prepared x block; x rows a tile */
 
-/* Byte and word permutations picking blocks out of [w[0..63], w[16..79]] (Q4_1) or [w[0..63], w[4..67]]
- * (Q8_0). Filled once when the library loads. */
-static int8_t NIB_IDX[64], Q8_IDX[64];
-static int16_t Q4_SCALE_IDX[32], Q8_SCALE_IDX[32];
+static long panel_block_bytes(int type) { return type == TYPE_Q4_1 ? P4 : P8; }
 
-__attribute__((constructor)) static void init_tables(void) {
-    for (int b = 0; b < 4; b++) {
-        for (int j = 0; j < 16; j++) {
-            int at = 20 * b + 4 + j;
-            NIB_IDX[16 * b + j] = (int8_t)(at < 64 ? at : 64 + at - 16);
-        }
-        Q4_SCALE_IDX[b] = (int16_t)(10 * b);         /* d of block b */
-        Q4_SCALE_IDX[4 + b] = (int16_t)(10 * b + 1); /* m of block b */
-    }
-    for (int b = 0; b < 2; b++)
-        for (int j = 0; j < 32; j++) {
-            int at = 34 * b + 2 + j;
-            Q8_IDX[32 * b + j] = (int8_t)(at < 64 ? at : 64 + at - 4);
-        }
-    Q8_SCALE_IDX[1] = 17;
-}
+long quant_pack_bytes(int type, long K, long N) { return (N + PANEL - 1) / PANEL * (K / BLOCK) * panel_block_bytes(type); }
 
-/* One block of 32 x values: its two int8 digits (q[0..31] a, q[32..63] b), dx and the values' sum. */
-static void split_block(const float *x, int8_t *q, float *dx, float *sum) {
-    __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-    __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-    for (int h = 0; h < 2; h++) {
-        __m512 scaled = _mm512_mul_ps(v[h], inv), hi = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT);
-        __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, hi), _mm512_set1_ps(256.0f)));
-        _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(hi)));
-        _mm_storeu_si128((__m128i *)(q + 32 + 16 * h), _mm512_cvtsepi32_epi8(_mm512_max_epi32(lo, _mm512_set1_epi32(-127))));
-    }
-    *dx = amax / (127.0f * 256.0f);
-    *sum = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-}
-
-/* An x row (K fp32 values) laid out for `type`'s groups of blocks. Q4_1, per 4 blocks: a of the first
- * 16 values of each block [64], a of the last 16 [64], b likewise [64][64] (a byte's low nibble is a
- * block's value j, its high one value j + 16), dx 4x per block [16 fp32], the sums in lanes 4..7 [16 fp32]
- * (beside m_w in the scale vector). Q8_0, per 2 blocks: a [64], b [64], dx 8x per block [16 fp32]. */
-static void prepare(const float *x, long K, int type, uint8_t *out) {
-    long nb = K / BLOCK, per = type == TYPE_Q4_1 ? G4 : G8, width = type == TYPE_Q4_1 ? 4 : 2;
-    memset(out, 0, ((nb + width - 1) / width) * per);
-    for (long b = 0; b < nb; b++) {
-        uint8_t *g = out + (b / width) * per;
-        int j = (int)(b % width);
-        int8_t q[64];
-        float dx, sum;
-        split_block(x + b * BLOCK, q, &dx, &sum);
-        if (type == TYPE_Q4_1) {
-            for (int part = 0; part < 4; part++) memcpy(g + 64 * part + 16 * j, q + 16 * part, 16);
-            for (int l = 0; l < 4; l++) ((float *)(g + 256))[4 * j + l] = dx;
-            ((float *)(g + 320))[4 + j] = sum;
-        } else {
-            memcpy(g + 32 * j, q, 32);
-            memcpy(g + 64 + 32 * j, q + 32, 32);
-            for (int l = 0; l < 8; l++) ((float *)(g + 128))[8 * j + l] = dx;
-        }
-    }
-}
-
-static inline __mmask64 first_bytes(long n) { return n >= 64 ? ~0ULL : n <= 0 ? 0 : (1ULL << n) - 1; }
-
-/* R prepared x rows (stride `per`) against one Q4_1 weight row of nb blocks: out[r]. */
-INLINE void dot_q4_1(const uint8_t *w, long nb, const uint8_t *px, long per, int R, float *out) {
-    const __m512i nidx = _mm512_loadu_si512(NIB_IDX), sidx = _mm512_loadu_si512(Q4_SCALE_IDX);
-    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[ROWS], macc[ROWS];
-    for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
-    for (long g = 0; g < (nb + 3) / 4; g++) {
-        const uint8_t *blk = w + g * 80;
-        long bytes = 20 * (nb - 4 * g); /* the last group may hold fewer than 4 blocks: masked */
-        __m512i A = _mm512_maskz_loadu_epi8(first_bytes(bytes), blk);
-        __m512i B = _mm512_maskz_loadu_epi8(first_bytes(bytes - 16), blk + 16);
-        __m512i q = _mm512_permutex2var_epi8(A, nidx, B);
-        __m512 dm = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(sidx, A)));
-        __m512 dw = _mm512_permutexvar_ps(lanes, dm);
-        __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-        for (int r = 0; r < R; r++) {
-            const uint8_t *p = px + r * per + g * G4;
-            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(p));
-            a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(p + 64));
-            __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(p + 128));
-            b = _mm512_dpbusd_epi32(b, hi, _mm512_loadu_si512(p + 192));
-            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b));
-            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_loadu_ps((const float *)(p + 256))), acc[r]);
-            macc[r] = _mm512_fmadd_ps(dm, _mm512_loadu_ps((const float *)(p + 320)), macc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(macc[r]);
-}
-
-/* The same for Q8_0: signed weights, so |q| (unsigned) against x with q's sign. */
-INLINE void dot_q8_0(const uint8_t *w, long nb, const uint8_t *px, long per, int R, float *out) {
-    const __m512i qidx = _mm512_loadu_si512(Q8_IDX), sidx = _mm512_loadu_si512(Q8_SCALE_IDX);
-    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (long g = 0; g < (nb + 1) / 2; g++) {
-        const uint8_t *blk = w + g * 68;
-        long bytes = 34 * (nb - 2 * g);
-        __m512i A = _mm512_maskz_loadu_epi8(first_bytes(bytes), blk);
-        __m512i B = _mm512_maskz_loadu_epi8(first_bytes(bytes - 4), blk + 4);
-        __m512i q = _mm512_permutex2var_epi8(A, qidx, B);
-        __m512 dw = _mm512_permutexvar_ps(lanes, _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(sidx, A))));
-        __mmask64 neg = _mm512_movepi8_mask(q);
-        __m512i mag = _mm512_abs_epi8(q);
-        for (int r = 0; r < R; r++) {
-            const uint8_t *p = px + r * per + g * G8;
-            __m512i xa = _mm512_loadu_si512(p), xb = _mm512_loadu_si512(p + 64);
-            __m512i a = _mm512_dpbusd_epi32(zero, mag, _mm512_mask_sub_epi8(xa, neg, zero, xa));
-            __m512i b = _mm512_dpbusd_epi32(zero, mag, _mm512_mask_sub_epi8(xb, neg, zero, xb));
-            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b));
-            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_loadu_ps((const float *)(p + 128))), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
-#define DEF_INT8(R)                                                                                  \
-    static void int8_##R(const uint8_t *w, int type, long nb, const uint8_t *px, long per, float *out) { \
-        if (type == TYPE_Q4_1) dot_q4_1(w, nb, px, per, R, out);                                     \
-        else dot_q8_0(w, nb, px, per, R, out);                                                       \
-    }
-DEF_INT8(1) DEF_INT8(2) DEF_INT8(3) DEF_INT8(4)
-
-static void int8_rows(int rows, const uint8_t *w, int type, long nb, const uint8_t *px, long per, float *out) {
-    switch (rows) {
-    case 1: int8_1(w, type, nb, px, per, out); break;
-    case 2: int8_2(w, type, nb, px, per, out); break;
-    case 3: int8_3(w, type, nb, px, per, out); break;
-    default: int8_4(w, type, nb, px, per, out); break;
-    }
-}
-
-static int matmul_int8(const uint16_t *x, long ldx, const uint8_t *const *rows, int type, uint16_t *y, long m,
-                       long K, long N, int threads) {
-    long nb = K / BLOCK;
-    long per = type == TYPE_Q4_1 ? (nb + 3) / 4 * G4 : (nb + 1) / 2 * G8;
-    uint8_t *px = aligned_alloc(64, per * m);
-    float *xf = malloc(sizeof(float) * K);
-    if (px == NULL || xf == NULL) {
-        free(px);
-        free(xf);
-        return -2;
-    }
-    for (long i = 0; i < m; i++) {
-        for (long k = 0; k < K; k += 16) {
-            __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * ldx + k)));
-            _mm512_storeu_ps(xf + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-        }
-        prepare(xf, K, type, px + i * per);
-    }
-    free(xf);
+/* N weight rows (GGUF blocks of `type`, K values each) into `out` (quant_pack_bytes); rows past N zero. */
+int quant_pack(const uint8_t *const *rows, int type, long K, long N, uint8_t *out, int threads) {
+    if (K < BLOCK || K % BLOCK || N < 1 || (type != TYPE_Q4_1 && type != TYPE_Q8_0)) return -1;
+    long nb = K / BLOCK, P = panel_block_bytes(type), panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++)
-        for (long i = 0; i < m; i += ROWS) {
-            int r = m - i < ROWS ? (int)(m - i) : ROWS;
-            float out[ROWS];
-            int8_rows(r, rows[n], type, nb, px + i * per, per, out);
-            for (int j = 0; j < r; j++) y[(i + j) * N + n] = float_to_bf16(out[j]);
+    for (long p = 0; p < panels; p++)
+        for (long b = 0; b < nb; b++) {
+            uint8_t *o = out + (p * nb + b) * P;
+            memset(o, 0, P);
+            for (int c = 0; c < PANEL && p * PANEL + c < N; c++) {
+                const uint8_t *blk = rows[p * PANEL + c] + b * (type == TYPE_Q4_1 ? 20 : 34);
+                if (type == TYPE_Q4_1) { /* GGUF: a byte's low nibble is value j, its high one j + 16 */
+                    uint8_t q[BLOCK];
+                    for (int j = 0; j < 16; j++) q[j] = blk[4 + j] & 0xF, q[j + 16] = blk[4 + j] >> 4;
+                    for (int v = 0; v < 4; v++)
+                        for (int j = 0; j < 4; j++) o[64 * v + 4 * c + j] = (uint8_t)(q[4 * v + j] | q[4 * v + 16 + j] << 4);
+                    memcpy(o + 256 + 2 * c, blk, 2);
+                    memcpy(o + 288 + 2 * c, blk + 2, 2);
+                } else {
+                    for (int t = 0; t < 8; t++)
+                        for (int j = 0; j < 4; j++) o[64 * t + 4 * c + j] = (uint8_t)((int8_t)blk[2 + 4 * t + j] + 128);
+                    memcpy(o + 512 + 2 * c, blk, 2);
+                }
+            }
+        }
+    return 0;
+}
+
+/* One x row (K bf16) as blocks of XB bytes: digits a[32], b[32]; dx, sum x (fp32); sum a, sum b (int32). */
+static void prepare(const uint16_t *x, long K, uint8_t *out) {
+    for (long blk = 0; blk < K / BLOCK; blk++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + blk * BLOCK + 16 * h)));
+            v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+        }
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+        uint8_t *o = out + blk * XB;
+        __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512 scaled = _mm512_mul_ps(v[h], inv), hi = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT);
+            __m512i a = _mm512_cvtps_epi32(hi);
+            __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, hi), _mm512_set1_ps(256.0f)));
+            b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127)); /* as stored */
+            _mm_storeu_si128((__m128i *)(o + 16 * h), _mm512_cvtsepi32_epi8(a));
+            _mm_storeu_si128((__m128i *)(o + 32 + 16 * h), _mm512_cvtsepi32_epi8(b));
+            sa = _mm512_add_epi32(sa, a), sb = _mm512_add_epi32(sb, b);
+        }
+        float dx = amax / (127.0f * 256.0f), sum = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+        int32_t suma = _mm512_reduce_add_epi32(sa), sumb = _mm512_reduce_add_epi32(sb);
+        memcpy(o + 64, &dx, 4), memcpy(o + 68, &sum, 4), memcpy(o + 72, &suma, 4), memcpy(o + 76, &sumb, 4);
+    }
+}
+
+INLINE __m512i bcast(const uint8_t *p) { return _mm512_set1_epi32(*(const int32_t *)p); }
+INLINE __m512 bcastf(const uint8_t *p) { return _mm512_set1_ps(*(const float *)p); }
+
+/* The two digits' integer sums of one prepared x block against a block's 8 vectors of weights. */
+INLINE __m512i block_sum(const __m512i *w, const uint8_t *xr) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int t = 0; t < 8; t++) {
+        a = _mm512_dpbusd_epi32(a, w[t], bcast(xr + 4 * t));
+        b = _mm512_dpbusd_epi32(b, w[t], bcast(xr + 32 + 4 * t));
+    }
+    return _mm512_add_epi32(_mm512_slli_epi32(a, 8), b);
+}
+
+/* R prepared x rows (stride `per`) against one panel: y[r * ldy + c] for the panel's `cols` outputs. */
+INLINE void tile(const uint8_t *w, int type, long nb, const uint8_t *px, long per, int R, uint16_t *y, long ldy,
+                 __mmask16 cols) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[TILE], macc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (long blk = 0; blk < nb; blk++) {
+        __m512i q[8];
+        __m512 d, m = _mm512_setzero_ps();
+        if (type == TYPE_Q4_1) {
+            const uint8_t *o = w + blk * P4;
+            for (int v = 0; v < 4; v++) {
+                __m512i packed = _mm512_loadu_si512(o + 64 * v);
+                q[v] = _mm512_and_si512(packed, low), q[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            }
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 256)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 288)));
+        } else {
+            const uint8_t *o = w + blk * P8;
+            for (int t = 0; t < 8; t++) q[t] = _mm512_loadu_si512(o + 64 * t);
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 512)));
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *xr = px + r * per + blk * XB;
+            __m512i s = block_sum(q, xr);
+            if (type == TYPE_Q8_0) { /* the stored q + 128: 128 (256 sum a + sum b) off */
+                int32_t off = 128 * (256 * *(const int32_t *)(xr + 72) + *(const int32_t *)(xr + 76));
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(off));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, bcastf(xr + 64)), acc[r]);
+            if (type == TYPE_Q4_1) macc[r] = _mm512_fmadd_ps(m, bcastf(xr + 68), macc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm256_mask_storeu_epi16(y + r * ldy, cols, to_bf16(_mm512_add_ps(acc[r], macc[r])));
+}
+
+#define DEF_TILE(R)                                                                                  \
+    static void tile_##R(const uint8_t *w, int type, long nb, const uint8_t *px, long per, uint16_t *y, long ldy, \
+                         __mmask16 cols) {                                                           \
+        if (type == TYPE_Q4_1) tile(w, TYPE_Q4_1, nb, px, per, R, y, ldy, cols);                     \
+        else tile(w, TYPE_Q8_0, nb, px, per, R, y, ldy, cols);                                       \
+    }
+DEF_TILE(1) DEF_TILE(2) DEF_TILE(3) DEF_TILE(4) DEF_TILE(5) DEF_TILE(6) DEF_TILE(7) DEF_TILE(8)
+typedef void (*tile_fn)(const uint8_t *, int, long, const uint8_t *, long, uint16_t *, long, __mmask16);
+static const tile_fn TILES[TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
+#endif
+
+/* y [m, N] (bf16, contiguous) = x [m, K] (bf16, row stride ldx) @ W^T, W packed by quant_pack. Returns 0,
+ * -1 for arguments it does not handle (or a CPU without VNNI), -2 out of memory. */
+int quant_matmul_packed(const uint16_t *x, long ldx, const uint8_t *packed, int type, uint16_t *y, long m, long K,
+                        long N, int threads) {
+#ifdef VNNI
+    if (m < 1 || K < BLOCK || K % BLOCK || N < 1 || (type != TYPE_Q4_1 && type != TYPE_Q8_0)) return -1;
+    long nb = K / BLOCK, per = nb * XB, P = panel_block_bytes(type);
+    uint8_t *px = aligned_alloc(64, per * m);
+    if (px == NULL) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m >= 16)
+    for (long i = 0; i < m; i++) prepare(x + i * ldx, K, px + i * per);
+    long panels = (N + PANEL - 1) / PANEL, groups = (m + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) collapse(2)
+    for (long p = 0; p < panels; p++)
+        for (long g = 0; g < groups; g++) {
+            long i = g * TILE, left = N - p * PANEL;
+            int rows = m - i < TILE ? (int)(m - i) : TILE;
+            __mmask16 cols = left >= PANEL ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            TILES[rows](packed + p * nb * P, type, nb, px + i * per, per, y + i * N + p * PANEL, N, cols);
         }
     free(px);
     return 0;
-}
+#else
+    (void)x, (void)ldx, (void)packed, (void)type, (void)y, (void)m, (void)K, (void)N, (void)threads;
+    return -1;
 #endif
+}
 
-/* Whether bf16 x takes the integer path (else it is computed as fp32). */
+/* Whether bf16 x takes the integer path, `quant_matmul_packed` (else `quant_matmul` computes it as fp32). */
 int quant_matmul_int8(void) {
 #ifdef VNNI
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+    return __builtin_cpu_supports("avx512vnni");
 #else
     return 0;
 #endif
@@ -287,14 +272,11 @@ int quant_matmul_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
 }
 
-/* x: [m, K] (row stride ldx elements; fp32, or bf16 when `bf16`), rows: N weight-row pointers of type
- * `type`, y: [m, N] contiguous, in x's type. Returns 0, or -1 for arguments it does not handle. */
+/* x: [m, K] (row stride ldx elements; fp32, or bf16 when `bf16`: then as fp32), rows: N weight-row
+ * pointers of type `type`, y: [m, N] contiguous, in x's type. Returns 0, or -1 for arguments it does not handle. */
 int quant_matmul(const void *x, long ldx, const uint8_t *const *rows, int type, void *y, long m, long K, long N,
                  int bf16, int threads) {
     if (m < 1 || K < BLOCK || K % BLOCK || N < 1 || (type != TYPE_Q4_1 && type != TYPE_Q8_0)) return -1;
-#ifdef VNNI
-    if (bf16) return matmul_int8((const uint16_t *)x, ldx, rows, type, (uint16_t *)y, m, K, N, threads);
-#endif
     float *xf = malloc(sizeof(float) * m * K);
     if (xf == NULL) return -2;
     for (long i = 0; i < m; i++) {
