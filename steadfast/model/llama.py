@@ -69,10 +69,11 @@ class Linear:
     def native_for(self, x: torch.Tensor) -> bool:
         return self.native is not None and x.shape[0] <= self.native[2]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        """`x @ weight_t`; `fp32_out`: not rounded to x's dtype where the kernel can (the native one)."""
         if self.native_for(x):
             assert self.native is not None
-            return self.native[1](x, self.native[0])
+            return self.native[1](x, self.native[0], fp32_out)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         assert self.weight_t is not None
@@ -119,7 +120,7 @@ class LMHead:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_first is not None and x.shape[0] > 1 and not self.linear.native_for(x):
             return (self.rows_first @ x.t()).t()
-        return self.linear(x)
+        return self.linear(x, fp32_out=True)
 
 
 def compute_layout(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:

@@ -105,7 +105,7 @@ class QuantMatmul:
         self._packed = lib.quant_matmul_packed
         self._packed.restype = ctypes.c_int
         self._packed.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        self._packed.argtypes += [ctypes.c_long] * 3 + [ctypes.c_int]  # m, K, N, threads
+        self._packed.argtypes += [ctypes.c_long] * 3 + [ctypes.c_int] * 2  # m, K, N, fp32 out, threads
         self._pack = lib.quant_pack
         self._pack.restype = ctypes.c_int
         # row addresses, type, K, N, out, threads
@@ -126,9 +126,11 @@ class QuantMatmul:
             raise RuntimeError(f"packing a quantized weight failed (code {rc})")
         return replace(w, panels=panels)
 
-    def __call__(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-        """`x @ w.T` for x `[..., K]` fp32 or bf16 on the CPU, in x's dtype. A bf16 call on a weight not
-        yet packed packs it for this call only (the model packs its weights once, at load)."""
+    def __call__(self, x: torch.Tensor, w: QuantWeight, fp32_out: bool = False) -> torch.Tensor:
+        """`x @ w.T` for x `[..., K]` fp32 or bf16 on the CPU, in x's dtype, or fp32 with `fp32_out` (the
+        LM head: bf16 logits of 16-32 are steps of 0.125 apart, which ties a prompt's best tokens where
+        they differ by less). A bf16 call on a weight not yet packed packs it for this call only (the
+        model packs its weights once, at load)."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"quantized matmul takes fp32 or bf16, not {x.dtype}")
         # A layer's [m, K] rows as they come cost no reshape (per call, ~100 calls a decode step).
@@ -139,13 +141,15 @@ class QuantMatmul:
         if k != w.in_features:
             raise ValueError(f"x has {k} columns, the weight {w.in_features}")
         n = w.rows.shape[0]
-        y = torch.empty((m, n), dtype=x.dtype)
+        packed = x.dtype == torch.bfloat16 and self.int8
+        y = torch.empty((m, n), dtype=torch.float32 if packed and fp32_out else x.dtype)
         if m:
             threads = torch.get_num_threads()
-            if x.dtype == torch.bfloat16 and self.int8:
+            if packed:
                 w = self.pack(w)  # held: its panels must outlive the call
                 address, qtype = w.panel_args
-                rc = self._packed(rows.data_ptr(), rows.stride(0), address, qtype, y.data_ptr(), m, k, n, threads)
+                args = (rows.data_ptr(), rows.stride(0), address, qtype, y.data_ptr(), m, k, n, int(fp32_out))
+                rc = self._packed(*args, threads)
             else:
                 address, qtype = w.call_args
                 bf16 = int(x.dtype == torch.bfloat16)

@@ -104,6 +104,8 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
         rowwise = rowwise_matmul.load()
         log.info("fp32 matmuls: %s", "row-wise kernel" if rowwise is not None else "torch")
     native = None
+    # "auto" asks for the batch-invariant mode in bf16 only: fp32 keeps its path exact against transformers.
+    want_invariant = cfg.model.deterministic == "on" or (cfg.model.deterministic == "auto" and dtype == torch.bfloat16)
     wanted = cfg.model.weights == "native" or (cfg.model.weights == "auto" and dtype == torch.bfloat16)
     if wanted and device == "cpu" and dtype in (torch.float32, torch.bfloat16):
         matmul = quant_matmul.load()
@@ -116,7 +118,7 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
         if matmul is not None and weights:
             # In fp32 every call: the kernel's rows are batch-invariant and its weights exact (BLAS's
             # would be the same values, summed in another order).
-            rows = sys.maxsize if dtype == torch.float32 or cfg.model.deterministic else cfg.model.native_max_rows
+            rows = sys.maxsize if dtype == torch.float32 or want_invariant else cfg.model.native_max_rows
             native = NativeWeights(weights, matmul, rows)
         log.info("native quantized weights: %d of the linear weights", len(weights))
     norm = rms_norm.load() if dtype == torch.bfloat16 and device == "cpu" else None
@@ -135,14 +137,18 @@ def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
         decode=decode,
     )
     log.info("decode steps: %s", "one call for the layers" if model.step is not None else "layer by layer")
-    if cfg.model.deterministic:
+    gaps: list[str] = []
+    if want_invariant:
         gaps = model.invariance_gaps()
         if cfg.cache.block_size != paged_attention.BLOCK_SIZE:
             gaps.append(f"the in-place attention kernel takes blocks of {paged_attention.BLOCK_SIZE} tokens")
-        if gaps:
+        if gaps and cfg.model.deterministic == "on":
             raise ConfigError("model.deterministic cannot hold on this machine and model: " + "; ".join(gaps))
-        model.deterministic = True
+        model.deterministic = not gaps
+    if model.deterministic:
         log.info("deterministic: every row attended in place and computed by row-wise kernels")
+    elif want_invariant:
+        log.info("deterministic: off (model.deterministic auto), it cannot hold here: %s", "; ".join(gaps))
     return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
 
 

@@ -65,7 +65,9 @@ def test_one_call_step_is_the_layer_loop_bit_for_bit(kernel, bf16_small, make_en
         tokens, logits = run(make_engine(cfg, loaded), reqs)
     finally:
         del plan.run
-    assert sorted(set(calls)) == [1, 2, 3, 4], calls  # the one-call path ran, at every batch size
+    # The one-call path ran at every batch size (and, `model.deterministic` being on in bf16, for the
+    # prompts too: each prompt token is then a decode row attending up to its own position).
+    assert {1, 2, 3, 4} <= set(calls), calls
     loaded.model.step = None
     try:
         want_tokens, want_logits = run(make_engine(cfg, loaded), reqs)

@@ -59,11 +59,26 @@ def test_a_prompts_logits_do_not_depend_on_batch_or_chunking(make_engine, bf16_c
         assert same_bits(alone, logits(make_engine, chunked, loaded)), f"prefilled {chunk} tokens a step"
 
     # Without the mode, prefilling token by token takes the decode path's kernels: other bits.
-    plain = load_model(bf16_config)
+    off = bf16_config.replace(model={"deterministic": False})
+    plain = load_model(off)
+    assert not plain.model.deterministic
     assert not same_bits(
-        logits(make_engine, bf16_config, plain),
-        logits(make_engine, bf16_config.replace(scheduler={"max_prefill_chunk": 1}), plain),
+        logits(make_engine, off, plain), logits(make_engine, off.replace(scheduler={"max_prefill_chunk": 1}), plain)
     )
+
+
+def test_auto_is_on_in_bf16_where_it_holds_and_off_in_fp32(small_config):
+    auto = small_config.replace(model={"dtype": "bfloat16"})
+    assert auto.model.deterministic == "auto"
+    try:
+        holds = load_model(auto.replace(model={"deterministic": True})).model.deterministic
+    except ConfigError:
+        holds = False
+    assert load_model(auto).model.deterministic == holds  # on exactly where "on" would load (never refused)
+    assert not load_model(auto.replace(model={"weights": "dequantized"})).model.deterministic  # a gap: off
+    assert not load_model(small_config.replace(model={"dtype": "float32"})).model.deterministic
+    with pytest.raises(ConfigError, match="deterministic must be"):
+        small_config.replace(model={"deterministic": "sometimes"})
 
 
 def test_what_the_mode_cannot_cover_is_refused(bf16_config):

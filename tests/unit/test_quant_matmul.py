@@ -132,6 +132,8 @@ def test_packed_once_is_what_a_call_packs_and_odd_blocks_of_x_are_exact(kernel, 
     x[2, 40] = 300.0
     x = x.bfloat16()
     assert torch.equal(kernel(x, w), kernel(x, packed))
+    logits = kernel(x, packed, fp32_out=True)  # the LM head's: the same sums, not rounded to bf16
+    assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), kernel(x, packed))
     want = x.double() @ torch.from_numpy(quants.dequantize(blocks, qtype)).double().t()
     got = kernel(x, packed).double()
     assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-4 * want.abs().max()).all()

@@ -15,8 +15,8 @@
 
 int add_rms_norm_bf16(uint16_t *x, long ldx, const uint16_t *delta, long ldd, const uint16_t *w, uint16_t *out,
                       long rows, long dim, float eps, int threads);
-int quant_matmul_packed(const uint16_t *x, long ldx, const uint8_t *packed, int type, uint16_t *y, long m, long K,
-                        long N, int threads);
+int quant_matmul_packed(const uint16_t *x, long ldx, const uint8_t *packed, int type, void *y, long m, long K,
+                        long N, int f32, int threads);
 int rope_kv_store(void *qkv, long ld, const void *cos, const void *sin, long positions, const int64_t *pos,
                   const int64_t *slots, void *kv, long total_slots, long n, int heads, int kv_heads, int dim,
                   int bf16, int threads);
@@ -71,7 +71,7 @@ int decode_layers(const struct model *md, long m, const int64_t *pos, const int6
         const int32_t *t = md->types + 4 * l;
         void *kv_l = (char *)kv + l * layer_bytes;
         int rc = add_rms_norm_bf16(x, hidden, l ? delta : 0, hidden, md->attn_norm[l], h, m, hidden, md->eps, threads);
-        if (!rc) rc = quant_matmul_packed(h, hidden, w[0], t[0], qkv, m, hidden, qkv_n, threads);
+        if (!rc) rc = quant_matmul_packed(h, hidden, w[0], t[0], qkv, m, hidden, qkv_n, 0, threads);
         if (!rc) {
             rc = rope_kv_store(qkv, qkv_n, md->cos, md->sin, md->positions, pos, slots, kv_l, (long)num_blocks * 16, m,
                                md->heads, md->kv_heads, md->dim, 1, threads);
@@ -80,11 +80,11 @@ int decode_layers(const struct model *md, long m, const int64_t *pos, const int6
         if (!rc)
             rc = paged_decode_attention(qkv, qkv_n, kv_l, attn, tables, lens, (int)m, max_blocks, md->heads,
                                         md->kv_heads, num_blocks, 16, md->dim, md->scale, 1, threads);
-        if (!rc) rc = quant_matmul_packed(attn, q_n, w[1], t[1], delta, m, q_n, hidden, threads);
+        if (!rc) rc = quant_matmul_packed(attn, q_n, w[1], t[1], delta, m, q_n, hidden, 0, threads);
         if (!rc) rc = add_rms_norm_bf16(x, hidden, delta, hidden, md->ffn_norm[l], h, m, hidden, md->eps, threads);
-        if (!rc) rc = quant_matmul_packed(h, hidden, w[2], t[2], gu, m, hidden, 2 * inter, threads);
+        if (!rc) rc = quant_matmul_packed(h, hidden, w[2], t[2], gu, m, hidden, 2 * inter, 0, threads);
         if (!rc) rc = silu_mul_bf16(gu, 2 * inter, m, inter, act, threads);
-        if (!rc) rc = quant_matmul_packed(act, inter, w[3], t[3], delta, m, inter, hidden, threads);
+        if (!rc) rc = quant_matmul_packed(act, inter, w[3], t[3], delta, m, inter, hidden, 0, threads);
         if (rc) return rc;
     }
     return 0;

@@ -183,9 +183,10 @@ INLINE __m512i block_sum(const __m512i *w, const uint8_t *xr) {
     return _mm512_add_epi32(_mm512_slli_epi32(a, 8), b);
 }
 
-/* R prepared x rows (stride `per`) against one panel: y[r * ldy + c] for the panel's `cols` outputs. */
-INLINE void tile(const uint8_t *w, int type, long nb, const uint8_t *px, long per, int R, uint16_t *y, long ldy,
-                 __mmask16 cols) {
+/* R prepared x rows (stride `per`) against one panel: y[r * ldy + c] for the panel's `cols` outputs, in
+fp32 where `f32`, else bf16. */
+INLINE void tile(const uint8_t *w, int type, long nb, const uint8_t *px, long per, int R, void *y, long ldy,
+                 __mmask16 cols, int f32) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[TILE], macc[TILE];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
@@ -216,29 +217,34 @@ INLINE void tile(const uint8_t *w, int type, long nb, const uint8_t *px, long pe
             if (type == TYPE_Q4_1) macc[r] = _mm512_fmadd_ps(m, bcastf(xr + 68), macc[r]);
         }
     }
-    for (int r = 0; r < R; r++)
-        _mm256_mask_storeu_epi16(y + r * ldy, cols, to_bf16(_mm512_add_ps(acc[r], macc[r])));
+    for (int r = 0; r < R; r++) {
+        __m512 out = _mm512_add_ps(acc[r], macc[r]);
+        if (f32) _mm512_mask_storeu_ps((float *)y + r * ldy, cols, out);
+        else _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy, cols, to_bf16(out));
+    }
 }
 
 #define DEF_TILE(R)                                                                                  \
-    static void tile_##R(const uint8_t *w, int type, long nb, const uint8_t *px, long per, uint16_t *y, long ldy, \
-                         __mmask16 cols) {                                                           \
-        if (type == TYPE_Q4_1) tile(w, TYPE_Q4_1, nb, px, per, R, y, ldy, cols);                     \
-        else tile(w, TYPE_Q8_0, nb, px, per, R, y, ldy, cols);                                       \
+    static void tile_##R(const uint8_t *w, int type, long nb, const uint8_t *px, long per, void *y, long ldy, \
+                         __mmask16 cols, int f32) {                                                  \
+        if (type == TYPE_Q4_1) tile(w, TYPE_Q4_1, nb, px, per, R, y, ldy, cols, f32);                \
+        else tile(w, TYPE_Q8_0, nb, px, per, R, y, ldy, cols, f32);                                  \
     }
 DEF_TILE(1) DEF_TILE(2) DEF_TILE(3) DEF_TILE(4) DEF_TILE(5) DEF_TILE(6) DEF_TILE(7) DEF_TILE(8)
-typedef void (*tile_fn)(const uint8_t *, int, long, const uint8_t *, long, uint16_t *, long, __mmask16);
+typedef void (*tile_fn)(const uint8_t *, int, long, const uint8_t *, long, void *, long, __mmask16, int);
 static const tile_fn TILES[TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
 #endif
 
-/* y [m, N] (bf16, contiguous) = x [m, K] (bf16, row stride ldx) @ W^T, W packed by quant_pack. Returns 0,
- * -1 for arguments it does not handle (or a CPU without VNNI), -2 out of memory. */
-int quant_matmul_packed(const uint16_t *x, long ldx, const uint8_t *packed, int type, uint16_t *y, long m, long K,
-                        long N, int threads) {
+/* y [m, N] (contiguous; fp32 where `f32` (logits: not rounded to bf16's 8 bits, which would tie the top
+ * tokens of a prompt whose best two differ by less than a step of 0.125 at 16-32), else bf16) = x [m, K]
+ * (bf16, row stride ldx) @ W^T, W packed by quant_pack. Returns 0, -1 for arguments it does not handle
+ * (or a CPU without VNNI), -2 out of memory. */
+int quant_matmul_packed(const uint16_t *x, long ldx, const uint8_t *packed, int type, void *y, long m, long K,
+                        long N, int f32, int threads) {
 #ifdef VNNI
     if (m < 1 || K < BLOCK || K % BLOCK || N < 1 || (type != TYPE_Q4_1 && type != TYPE_Q8_0)) return -1;
     long nb = K / BLOCK, per = nb * XB, P = panel_block_bytes(type);
-    uint8_t *px = aligned_alloc(64, per * m);
+    uint8_t *px = aligned_alloc(64, (per * m + 63) / 64 * 64); /* C11: a multiple of the alignment */
     if (px == NULL) return -2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (m >= 16)
     for (long i = 0; i < m; i++) prepare(x + i * ldx, K, px + i * per);
@@ -249,12 +255,14 @@ int quant_matmul_packed(const uint16_t *x, long ldx, const uint8_t *packed, int 
             long i = g * TILE, left = N - p * PANEL;
             int rows = m - i < TILE ? (int)(m - i) : TILE;
             __mmask16 cols = left >= PANEL ? 0xFFFF : (__mmask16)((1u << left) - 1);
-            TILES[rows](packed + p * nb * P, type, nb, px + i * per, per, y + i * N + p * PANEL, N, cols);
+            long at = i * N + p * PANEL;
+            void *out = f32 ? (void *)((float *)y + at) : (void *)((uint16_t *)y + at);
+            TILES[rows](packed + p * nb * P, type, nb, px + i * per, per, out, N, cols, f32);
         }
     free(px);
     return 0;
 #else
-    (void)x, (void)ldx, (void)packed, (void)type, (void)y, (void)m, (void)K, (void)N, (void)threads;
+    (void)x, (void)ldx, (void)packed, (void)type, (void)y, (void)m, (void)K, (void)N, (void)f32, (void)threads;
     return -1;
 #endif
 }
