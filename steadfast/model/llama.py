@@ -87,7 +87,8 @@ class LMHead:
     the first can also be computed as `embed @ x.T` from the embedding's own `[vocab, hidden]` layout at
     no memory cost: on some CPUs (an AVX2 EPYC) BLAS's GEMM over the transposed head is 2-4x slower for
     2-16 rows (batched decodes, speculative verification) than the GEMV for one row, and the other
-    orientation is not. Which one serves several rows is measured once, at load."""
+    orientation is not. Which one serves several rows is measured once, at load. On the native weights
+    the logits come out in fp32, not rounded to bf16 (whose steps of 0.125 at 16-32 tie near choices)."""
 
     PROBE_ROWS = 4
 
