@@ -59,7 +59,11 @@ class Linear:
         # fp32 on CPU: our row-wise kernel where it handles the weight (for every row count alike).
         self.rowwise = rowwise if rowwise is not None and rowwise.handles(weight_t) else None
         self.packed: torch.Tensor | None = None
-        if weight_t.dtype == torch.bfloat16 and weight_t.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        # Where the native kernel takes every call (`model.deterministic`) oneDNN never sees this weight:
+        # no packed copy (~270 MB for the default model), and the mapped weight's pages stay untouched.
+        every_call_native = native is not None and native[2] == sys.maxsize
+        cpu_bf16 = weight_t.dtype == torch.bfloat16 and weight_t.device.type == "cpu"
+        if cpu_bf16 and not every_call_native and torch.backends.mkldnn.is_available():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), None)
             except (RuntimeError, AttributeError):  # a build without the op: fall back to the plain matmul
