@@ -113,10 +113,7 @@ class Delete:
     prefix: bool = False
 
     def body(self) -> dict[str, Any]:
-        out = {"key": _b64(self.key)}
-        if self.prefix:
-            out["range_end"] = _b64(_range_end(self.key))
-        return {"request_delete_range": out}
+        return {"request_delete_range": _range_body(self.key, self.prefix)}
 
 
 @dataclass(frozen=True)

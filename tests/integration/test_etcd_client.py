@@ -79,9 +79,9 @@ def test_too_many_operations_are_refused_not_retried(client):
 
 
 def test_a_lease_ends_on_etcds_clock_unless_kept_alive(client):
-    kept, ttl = client.lease_grant(1)
+    kept, ttl = client.lease_grant(3)  # renewed every 0.3 s: a wide margin on a loaded machine
     dropped, _ = client.lease_grant(1)
-    assert ttl >= 1
+    assert ttl >= 3
     client.put(b"t4/kept", b"k", lease=kept)
     client.put(b"t4/dropped", b"d", lease=dropped)
     deadline = time.monotonic() + 3.5
@@ -126,11 +126,13 @@ def test_killing_the_leader_under_writes_loses_no_acknowledged_write(tmp_path_fa
         assert leader.proc is not None and leader.proc.returncode == -9  # the kill landed
         new_leader = own.wait_leader(15.0)
         assert new_leader is not leader
-        time.sleep(1.0)  # writes go on through the two members left
+        deadline = time.monotonic() + 15.0  # writes go on through the two members left
+        while len(acknowledged) < before + 20 and not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
         stop.set()
         writer.join(30)
         assert not failures, failures
-        assert len(acknowledged) > before + 5
+        assert len(acknowledged) >= before + 20
         with EtcdClient([m.client_url for m in own.members if m is not leader]) as c:
             stored = {int(kv.value) for kv in c.get(b"t5/", prefix=True)}
         assert set(acknowledged) <= stored
