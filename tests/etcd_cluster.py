@@ -3,10 +3,13 @@ ports and their own data folders, waited for until one of them leads, killed or 
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,8 @@ class Member:
 class EtcdCluster:
     folder: Path
     size: int = 3
+    # etcd's own knobs beyond the defaults (e.g. --max-txn-ops), for every member
+    extra: list[str] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
@@ -67,6 +72,7 @@ class EtcdCluster:
                 # Elections in ~0.5 s, and leases of 1 s allowed (the minimum is 1.5 election ticks).
                 "--heartbeat-interval=50",
                 "--election-timeout=500",
+                *self.extra,
             ]
             m.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=m.log.open("wb"))
         self.wait_leader(timeout_s)
@@ -117,3 +123,21 @@ class EtcdCluster:
                     m.proc.wait(10)
                 except subprocess.TimeoutExpired:
                     m.proc.kill()
+
+
+_shared: EtcdCluster | None = None
+
+
+def shared_etcd() -> EtcdCluster:
+    """One single-member etcd for the whole test run (started on first use, stopped at exit), for
+    tests of the ledger's semantics rather than of replication: each test keeps to its own key prefix.
+    Its data lives in /dev/shm where there is one, so that etcd's fsync per commit costs nothing."""
+    global _shared
+    if _shared is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        folder = Path(tempfile.mkdtemp(prefix="steadfast-etcd-", dir=base))
+        cluster = EtcdCluster(folder, size=1)
+        atexit.register(shutil.rmtree, folder, True)
+        atexit.register(cluster.stop)
+        _shared = cluster.start()
+    return _shared

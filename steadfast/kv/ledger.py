@@ -1,6 +1,6 @@
 """The KV ledger: what every block holds and who may write it, outside any engine process.
 
-One interface, backends behind it (embedded SQLite here; etcd later), opened by URL with
+One interface, backends behind it (embedded SQLite for one machine; etcd across nodes), opened by URL with
 `steadfast.kv.ledger_url.open_ledger`. The ledger records blocks (state, owner, epoch, refcount,
 chained content hash, tier), request checkpoints, worker leases and each KV move's decision. A backend
 raises only this module's errors, never its driver's, and one ledger object may be used from several threads.
@@ -61,10 +61,6 @@ class LedgerUnavailableError(LedgerError):
 
 class LedgerUrlError(LedgerError):
     """A ledger URL that names no store this build can open: malformed, or of an unknown scheme."""
-
-
-class BackendNotAvailableError(LedgerUrlError):
-    """A ledger URL of a known backend that this build does not provide yet (etcd)."""
 
 
 @dataclass(frozen=True)

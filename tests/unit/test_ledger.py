@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 
 import pytest
 
@@ -20,6 +21,7 @@ from steadfast.kv.ledger import (
 )
 from steadfast.kv.moves.messages import MoveOutcome
 from steadfast.kv.sqlite_ledger import SqliteLedger
+from tests.unit.conftest import lapse
 
 pytestmark = pytest.mark.unit
 
@@ -72,18 +74,37 @@ def test_expired_lease_refuses_writes_before_anyone_fences_it(ledger, clock):
     lease = ledger.acquire_lease("w0", 1, ttl_s=5)
     clock.now += 4
     ledger.renew_lease("w0", lease.epoch, 5)
-    clock.now += 5.5
+    lapse(ledger, "w0", clock)
+    assert ledger.lease("w0").state == LeaseState.ACTIVE and ledger.lease("w0").expires < clock.now
     with pytest.raises(FencedError, match="expired"):
         ledger.grant("w0", lease.epoch, 1)
     with pytest.raises(FencedError):
         ledger.renew_lease("w0", lease.epoch, 5)  # cannot renew its way back
 
 
+def test_an_etcd_lease_expires_on_etcds_clock(ledger_factory, ledger_backend):
+    """Not the test's clock: etcd ends the lease at its TTL, and from then on etcd refuses the writes."""
+    if ledger_backend != "etcd":
+        pytest.skip("SQLite's leases run on the process's clock (the tests above move it)")
+    ledger = ledger_factory(clock=Clock())  # a clock that never moves
+    ledger.format(2)
+    lease = ledger.acquire_lease("w0", 1, ttl_s=1)
+    assert ledger.grant("w0", lease.epoch, 1) == [0]
+    deadline = time.monotonic() + 10
+    while ledger.lease("w0").expires > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(FencedError, match="expired"):
+        ledger.grant("w0", lease.epoch, 1)
+    with pytest.raises(FencedError):
+        ledger.renew_lease("w0", lease.epoch, 1)
+    assert ledger.acquire_lease("w1", 2, ttl_s=5).epoch > lease.epoch
+
+
 def test_a_live_lease_cannot_be_taken_twice(ledger, clock):
     ledger.acquire_lease("w0", 1, ttl_s=5)
     with pytest.raises(LeaseHeldError):
         ledger.acquire_lease("w0", 2, ttl_s=5)
-    clock.now += 6
+    lapse(ledger, "w0", clock)
     assert ledger.acquire_lease("w0", 2, ttl_s=5).pid == 2
 
 
@@ -234,7 +255,6 @@ def test_a_standby_with_an_older_epoch_takes_over_the_checkpoints_of_a_dead_owne
     with pytest.raises(FencedError):  # the dead owner's own stale epoch stays refused
         ledger.checkpoint("w0", owner, [RequestCheckpoint("r", [1, 2], "{}", [3], 1, "finished")])
     # Its name registered again (a new incarnation, a new epoch): the standby's row is not its to write.
-    clock.now += 1
     again = ledger.acquire_lease("w0", 3, 5).epoch
     ledger.checkpoint("w0", again, [RequestCheckpoint("r", [1, 2], "{}", [3], 1, "decode")])
     assert ledger.request("r").owner == "standby"
@@ -251,7 +271,7 @@ def test_a_row_its_live_owner_finished_or_wrote_under_an_expired_lease_is_taken_
     ledger.checkpoint("w0", old, [RequestCheckpoint("r2", [1], "{}", [2], 1, "decode")])
     clock.now += 4
     ledger.renew_lease("w1", new, 5)
-    clock.now += 2  # w0's lease lapsed; nobody fenced it yet
+    lapse(ledger, "w0", clock)  # nobody fenced it yet
     ledger.checkpoint("w1", new, [RequestCheckpoint("r2", [1], "{}", [2, 5], 2, "decode")])
     assert ledger.request("r2").owner == "w1"
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from steadfast.kv.ledger import BackendNotAvailableError, LedgerError, LedgerUnavailableError, LedgerUrlError
+from steadfast.kv.etcd_ledger import EtcdLedger
+from steadfast.kv.ledger import LedgerError, LedgerUnavailableError, LedgerUrlError
 from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
 from steadfast.kv.sqlite_ledger import SqliteLedger
 
@@ -41,12 +42,19 @@ def test_sqlite_url_is_absolute_and_siblings_sit_beside_it(tmp_path, monkeypatch
     assert sibling_ledger_url("l.db", "") == f"sqlite://{tmp_path}/l.db"
 
 
-@pytest.mark.parametrize("url", ["etcd://127.0.0.1:2379", "etcd+https://a:2379,b:2379/steadfast"])
-def test_etcd_is_known_but_not_available_yet(url):
-    with pytest.raises(BackendNotAvailableError, match="etcd backend is not available yet"):
-        open_ledger(url)
-    with pytest.raises(BackendNotAvailableError):
-        sibling_ledger_url(url, "-node1")
+def test_etcd_urls_name_members_and_a_prefix():
+    led = open_ledger("etcd://10.0.0.1:2379,[::1]:2380,etcd-2:2379/deploy/node1/")
+    try:
+        assert isinstance(led, EtcdLedger)
+        assert led.client.endpoints == ["http://10.0.0.1:2379", "http://[::1]:2380", "http://etcd-2:2379"]
+        assert led.keys.root == b"/deploy/node1/"
+    finally:
+        led.close()
+    tls = open_ledger("etcd+https://a:2379")
+    assert tls.client.endpoints == ["https://a:2379"] and tls.keys.root == b"/steadfast/"
+    tls.close()
+    assert sibling_ledger_url("etcd://a:1,b:2/x", "-node1") == "etcd://a:1,b:2/x-node1"
+    assert sibling_ledger_url("etcd://a:1", "") == "etcd://a:1/steadfast"
 
 
 @pytest.mark.parametrize(
@@ -58,6 +66,10 @@ def test_etcd_is_known_but_not_available_yet(url):
         ("sqlite:", "names no file"),
         ("sqlite://", "names no file"),
         ("", "empty ledger URL"),
+        ("etcd:a:1", "write etcd://host:port"),
+        ("etcd:///x", "names no etcd member"),
+        ("etcd://a/x", "is not host:port"),
+        ("etcd://a:1/x?y=1", "plain path"),
     ],
 )
 def test_a_url_naming_no_store_is_refused_clearly(url, fragment):
