@@ -82,6 +82,11 @@ class EtcdCluster:
     def endpoints(self) -> list[str]:
         return [m.client_url for m in self.members]
 
+    def ledger_url(self, prefix: str, members: list[Member] | None = None) -> str:
+        """An etcd ledger URL on these members (default: all) with keys under `prefix`."""
+        chosen = self.members if members is None else members
+        return "etcd://" + ",".join(m.client_url.removeprefix("http://") for m in chosen) + prefix
+
     def status(self, member: Member) -> dict | None:
         try:
             r = httpx.post(member.client_url + "/v3/maintenance/status", json={}, timeout=1.0)

@@ -88,6 +88,11 @@ class KVPool:
             log.info("re-attached KV arena %s (%d blocks)", arena_path, self.spec.num_blocks)
         else:
             fd = make_arena(arena_path, spec.nbytes, json.dumps(asdict(spec)), reserve=self._ahead(spec) is None)
+            # A ledger that outlives its arena (configured, in etcd or a kept file): a new arena holds none
+            # of the bytes it describes, so its leases are fenced and its blocks voided, as for a device.
+            if any(b.state != BlockState.FREE for b in self.ledger.blocks()):
+                self.ledger.arena_replaced()
+                log.warning("new KV arena on a ledger of an earlier one: every earlier lease fenced, every block freed")
         self.ledger.format(self.spec.num_blocks)
         # The arena's memory made as its blocks are handed out (`cache.kv_ahead_mb`), else all reserved.
         self.reserved: Reserved | None = None

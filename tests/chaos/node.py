@@ -26,13 +26,14 @@ from steadfast.protocol import AddRequest, RequestOutput, StepOutputs, WorkerRol
 
 
 class Node:
-    def __init__(self, tmp: Path, cfg: Config, failpoints: str = "") -> None:
+    def __init__(self, tmp: Path, cfg: Config, failpoints: str = "", ledger_url: str = "") -> None:
+        """`ledger_url`: the node's ledger (default: a SQLite file in `tmp`)."""
         self.tmp = tmp
         self.cfg = cfg
         self.cfg_json = json.dumps(cfg.to_dict())
         self.arena_path = f"/dev/shm/steadfast-chaos-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv"
         self.ledger_path = str(tmp / "ledger.db")  # the file itself, for tests that look inside it
-        self.ledger_url = sqlite_url(self.ledger_path)
+        self.ledger_url = ledger_url or sqlite_url(self.ledger_path)
         self.pool_address = f"ipc://{tmp}/kvpool"
         self.output = f"ipc://{tmp}/outputs"
         self.failpoint_dir = tmp / "failpoints"

@@ -28,8 +28,7 @@ def ledger_url_in(backend: str, folder: Path, name: str = "ledger") -> str:
     if backend == "sqlite":
         return sqlite_url(folder / f"{name}.db")
     if backend == "etcd":
-        member = shared_etcd().endpoints[0].removeprefix("http://")
-        return f"etcd://{member}/test{folder}/{name}"
+        return shared_etcd().ledger_url(f"/test{folder}/{name}")
     raise ValueError(f"no test ledger for backend {backend!r}")
 
 
