@@ -39,7 +39,7 @@ from steadfast.kv.etcd_records import (
     request_of,
 )
 from steadfast.kv.etcd_slots import EtcdSlots
-from steadfast.kv.etcd_tx import MAX_OPS, Tx, atomically
+from steadfast.kv.etcd_tx import MAX_OPS, ReadCache, Tx, atomically
 from steadfast.kv.ledger import (
     BlockRecord,
     BlockState,
@@ -82,9 +82,10 @@ class EtcdLedger(EtcdSlots, Ledger):
         self.timeout_s = timeout_s
         self._moves_lease: tuple[int, float] = (0, -math.inf)  # (etcd lease, when granted on time.monotonic)
         self._lock = threading.Lock()
+        self._cache = ReadCache()
 
     def _run(self, name: str, fn: Callable[[Tx], T]) -> T:
-        return atomically(self.client, fn, self.timeout_s, name)
+        return atomically(self.client, fn, self.timeout_s, name, self._cache)
 
     @contextlib.contextmanager
     def _etcd(self, what: str) -> Iterator[None]:
