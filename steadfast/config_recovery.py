@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from steadfast.config_base import ConfigError
+from steadfast.kv.ledger import LedgerUrlError
+from steadfast.kv.ledger_url import check_ledger_url
 
 RECOVERY_MODES = ("ledger_first", "rebuild", "auto")
 
@@ -41,8 +43,10 @@ class LedgerConfig:
     external_ledger: bool = True  # blocks and request checkpoints in the pool's ledger (takeover from adopted KV)
     snapshot_interval_steps: int = 128  # decode steps between a request's checkpoints in the ledger
     recovery_mode: str = "ledger_first"  # ledger_first: adopt the dead worker's KV, else recompute; or recompute
-    # The ledger's URL (sqlite:///path/to/ledger.db; see steadfast.kv.ledger_url); with two nodes on
-    # one host the second's is derived from it. Empty = a SQLite file in the server's run directory.
+    # The ledger's URL: sqlite:///path/to/ledger.db, or etcd://host:port,host:port,host:port/prefix for
+    # a replicated ledger on an etcd cluster (see steadfast.kv.ledger_url); with two nodes on one host the
+    # second's is derived from it (a file beside it, or the prefix with -node1). Empty = a SQLite file in
+    # the server's run directory.
     ledger_url: str = ""
     # The older spelling: a SQLite file path, the same as ledger_url sqlite:///<path>.
     ledger_path: str = ""
@@ -54,6 +58,11 @@ class LedgerConfig:
             raise ConfigError(f"fault_recovery.kv_cache.recovery_mode must be one of {RECOVERY_MODES}")
         if self.ledger_url and self.ledger_path:
             raise ConfigError("fault_recovery.kv_cache: set ledger_url or ledger_path, not both")
+        if self.ledger_url:
+            try:
+                check_ledger_url(self.ledger_url)
+            except LedgerUrlError as exc:
+                raise ConfigError(f"fault_recovery.kv_cache.ledger_url: {exc}") from None
 
     @property
     def resolved_ledger_url(self) -> str:

@@ -78,6 +78,12 @@ def _sqlite_path(url: str) -> str:
     return rest
 
 
+def check_ledger_url(url: str) -> None:
+    """Raise `LedgerUrlError` unless `url` names a store this build can open (nothing is opened)."""
+    if _etcd(url) is None:
+        _sqlite_path(url)
+
+
 def open_ledger(url: str, *, clock: Callable[[], float] = time.monotonic, timeout_s: float = 10.0) -> Ledger:
     """Open the ledger `url` names. `clock`: what lease times are measured on; `timeout_s`: how long an
     operation waits for the store (busy, locked, no quorum) before it fails with `LedgerUnavailableError`."""

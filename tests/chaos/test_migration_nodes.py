@@ -9,6 +9,9 @@ what the client received equal to the engine's stream, no duplicate, no gap — 
 happened (the migration's record says how it ended; a drill's log line says it acted), and `check_node` must
 be clean on both pools, with no block left to the dead and none held for a move once all is idle.
 
+Both nodes' ledgers live in a 3-member etcd cluster (each under its own prefix), as they would across
+hosts; where etcd is not installed, in SQLite files (the reason is printed).
+
 The fault drills are the KV wire's own (`transfer.faults_file`, read at the start of every move; the
 receiver's `drop_acks` and `hold_s` at every session it opens); a migration is slowed with `delay_s` so a
 kill lands while its KV is on the wire.
@@ -17,9 +20,12 @@ kill lands while its KV is on the wire.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,6 +36,7 @@ from steadfast.kv.ledger import BlockState
 from steadfast.kv.ledger_url import open_ledger, sqlite_url
 from steadfast.kv.pool_client import PoolClient
 from tests.conftest import wait_until
+from tests.etcd_cluster import EtcdCluster
 from tests.integration.server import serving
 from tests.integration.test_migration import migrate, reference, stream_moved
 
@@ -47,7 +54,14 @@ MIGRATION_TIMEOUT_S = 3
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, small_model_path, small_deterministic_model):  # skipped where the mode cannot run
     tmp = tmp_path_factory.mktemp("migration-faults")
-    url = sqlite_url(str(tmp / "ledger.db"))
+    cluster = None
+    if shutil.which("etcd") is not None:
+        # In /dev/shm: three members' fsyncs on this disk would be the test's cost, not what it checks.
+        cluster = EtcdCluster(Path(tempfile.mkdtemp(prefix="steadfast-etcd-", dir="/dev/shm"))).start()
+        url = cluster.ledger_url("/migration-nodes")
+    else:
+        print("etcd (Debian etcd-server) is not installed: the nodes' ledgers are SQLite files")
+        url = sqlite_url(str(tmp / "ledger.db"))
     faults = tmp / "faults"
     faults.write_text("")
     cfg = (
@@ -59,9 +73,14 @@ def server(tmp_path_factory, small_model_path, small_deterministic_model):  # sk
         f"migration: {{timeout: {MIGRATION_TIMEOUT_S}s}}\n"
         f"fault_recovery: {{kv_cache: {{ledger_url: '{url}'}}}}\n"
     )
-    with serving(tmp, cfg, model=small_model_path) as s:
-        s.faults = faults
-        yield s
+    try:
+        with serving(tmp, cfg, model=small_model_path) as s:
+            s.faults = faults
+            yield s
+    finally:
+        if cluster is not None:
+            cluster.stop()
+            shutil.rmtree(cluster.folder, ignore_errors=True)
 
 
 def workers(server) -> list[dict]:

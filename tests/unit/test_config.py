@@ -37,6 +37,8 @@ def test_defaults_and_yaml_with_overrides(tmp_path):
         ("server: {decode_node: remote}\n", "server.decode_node must be same or separate"),
         ("server: {decode_node: separate}\n", "separate needs decode_workers"),
         ("fault_recovery: {kv_cache: {ledger_url: 'sqlite:///a.db', ledger_path: b.db}}\n", "not both"),
+        ("fault_recovery: {kv_cache: {ledger_url: 'etcd://etcd-1/steadfast'}}\n", "ledger_url: ledger"),
+        ("fault_recovery: {kv_cache: {ledger_url: 'redis://x/0'}}\n", "unknown scheme 'redis'"),
         ("- a list\n", "mapping"),
     ],
 )
