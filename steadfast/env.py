@@ -70,6 +70,11 @@ def failpoint_dir() -> str | None:
     return os.environ.get("STEADFAST_FAILPOINT_DIR")
 
 
+def ledger_journal() -> str:
+    """A folder where every ledger a process opens records its calls (a fault test's history); unset: none."""
+    return os.environ.get("STEADFAST_LEDGER_JOURNAL", "")
+
+
 def torch_threads(computing_workers: int = 1) -> int:
     """Threads for intra-op parallelism in a worker: STEADFAST_THREADS, else the cores this process may
     run on shared among the workers that compute at once (at least one each). Two workers each on every

@@ -83,9 +83,10 @@ class EtcdLedger(EtcdSlots, Ledger):
         self._moves_lease: tuple[int, float] = (0, -math.inf)  # (etcd lease, when granted on time.monotonic)
         self._lock = threading.Lock()
         self._cache = ReadCache()
+        self._order = threading.local()  # each thread's last operation's place in etcd's order
 
     def _run(self, name: str, fn: Callable[[Tx], T]) -> T:
-        return atomically(self.client, fn, self.timeout_s, name, self._cache)
+        return atomically(self.client, fn, self.timeout_s, name, self._cache, self._order)
 
     @contextlib.contextmanager
     def _etcd(self, what: str) -> Iterator[None]:
@@ -106,6 +107,9 @@ class EtcdLedger(EtcdSlots, Ledger):
 
     def close(self) -> None:
         self.client.close()
+
+    def commit_order(self) -> int:
+        return getattr(self._order, "value", 0)
 
     # --- leases -------------------------------------------------------------------------------
     def _lease_parts(self, tx: Tx, worker: str) -> tuple[LeaseRec | None, int | None]:

@@ -89,6 +89,12 @@ class Tx:
         self.tracked: set[bytes] = set()
         self.cached: set[bytes] = set()  # tracked reads served from the cache, not yet confirmed
         self.writes: dict[bytes, tuple[bytes | None, int]] = {}  # key -> (value, or None to delete; lease)
+        # Where this attempt stands in etcd's order: 2 x the revision it committed at, or 2 x the revision
+        # it read at + 1 (a read sees the state after that revision's writes).
+        self.order = 0
+
+    def _seen(self, revision: int) -> None:
+        self.order = max(self.order, 2 * revision + 1)
 
     def _read(self, key: bytes, revision: int, value: bytes | None) -> None:
         self.reads[key] = (revision, value)
@@ -112,6 +118,7 @@ class Tx:
         for i in range(0, len(fresh), MAX_OPS):
             part = fresh[i : i + MAX_OPS]
             answer = self.client.txn([], [Get(k) for k in part])
+            self._seen(answer.revision)
             for key, response in zip(part, answer.responses, strict=True):
                 kvs = kvs_of(response.get("response_range", {}))
                 self._read(key, *((kvs[0].mod_revision, kvs[0].value) if kvs else (0, None)))
@@ -129,6 +136,7 @@ class Tx:
     def scan_many(self, prefixes: Sequence[bytes]) -> list[list[tuple[bytes, bytes]]]:
         """`scan` of each prefix, all read at one revision."""
         answer = self.client.txn([], [Get(p, prefix=True) for p in prefixes])
+        self._seen(answer.revision)
         out = []
         for response in answer.responses:
             found = []
@@ -172,6 +180,7 @@ class Tx:
         if answer.succeeded:
             for key, (value, _) in self.writes.items():
                 self._read(key, answer.revision, value)
+            self.order = 2 * answer.revision if self.writes else 2 * answer.revision + 1
             return True
         now: dict[bytes, tuple[int, bytes | None]] = {}
         for key, response in zip(reread, answer.responses, strict=True):
@@ -181,14 +190,23 @@ class Tx:
                 self.cache.put(key, *now[key])
         # An earlier send of this very transaction committed (its answer lost): every key it writes
         # holds what it wrote. Nothing else can leave them so, since each value names its writer.
-        return bool(self.writes) and all(now[k][1] == v for k, (v, _) in self.writes.items())
+        if bool(self.writes) and all(now[k][1] == v for k, (v, _) in self.writes.items()):
+            self.order = 2 * max(now[k][0] for k in self.writes)  # (the revision it did commit at)
+            return True
+        return False
 
 
 def atomically(
-    client: EtcdClient, fn: Callable[[Tx], T], timeout_s: float, name: str = "", cache: ReadCache | None = None
+    client: EtcdClient,
+    fn: Callable[[Tx], T],
+    timeout_s: float,
+    name: str = "",
+    cache: ReadCache | None = None,
+    order: threading.local | None = None,
 ) -> T:
     """Run `fn` on fresh (or cached) reads and commit what it wrote, again while another writer got
-    there first; etcd's own failures become `LedgerUnavailableError`."""
+    there first; etcd's own failures become `LedgerUnavailableError`. `order.value`: where the last
+    attempt stands in etcd's order (`Tx.order`)."""
     deadline = time.monotonic() + timeout_s
     wait = 0.001
     use_cache = cache
@@ -196,9 +214,13 @@ def atomically(
     while True:
         tx = Tx(client, use_cache)
         try:
-            result = fn(tx)
-            if tx.commit():
-                return result
+            try:
+                result = fn(tx)
+                if tx.commit():
+                    return result
+            finally:
+                if order is not None:
+                    order.value = tx.order
         except EtcdUnavailableError as exc:
             raise LedgerUnavailableError(f"etcd ledger: {exc}") from exc
         except EtcdError as exc:

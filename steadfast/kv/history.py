@@ -3,14 +3,26 @@
 `RecordingLedger` wraps any ledger and appends every call with its outcome; `check_history` replays
 the accepted operations and reports each broken invariant: two owners of a block at once, a write
 accepted under a stale epoch, a sealed block changed, blocks reclaimed from an unfenced worker.
+
+Across processes: with `STEADFAST_LEDGER_JOURNAL` set to a folder, every ledger a process opens records
+its calls there (`open_ledger` wraps it), one JSON line when a call starts and one when it ends, with
+the call's place in the store's order (`Ledger.commit_order`); `load_journal` merges the files of every
+process into one history in that order. A call whose process was killed before it ended has no outcome:
+it may have committed, so it counts as accepted (where its answer is not needed to replay it).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from steadfast.kv.ledger import Lease, Ledger
+import msgspec
+
+from steadfast.kv.ledger import Lease, LeaseState, Ledger, RequestCheckpoint
 
 # Calls that carry (worker, epoch) as their first two arguments and write.
 _EPOCH_WRITES = {
@@ -31,6 +43,11 @@ _EPOCH_WRITES = {
 }
 
 
+# Calls whose answer the checker needs to replay them: one whose process died before it ended is left out.
+_NEEDS_RESULT = {"acquire_lease", "fence", "grant", "hand_over", "reclaim", "reserve_slots"}
+_READS = {"blocks", "leases", "lease", "request", "requests", "check_integrity", "commit_order", "tiers", "slots"}
+
+
 @dataclass
 class Op:
     seq: int
@@ -41,29 +58,105 @@ class Op:
     error: str | None = None
 
 
+class Journal:
+    """One ledger object's calls, appended to `<folder>/<pid>-<n>.jsonl` as they start and end, each line
+    written whole (unbuffered), so a process killed mid-call leaves every line before it."""
+
+    _count = itertools.count()
+
+    def __init__(self, folder: str) -> None:
+        self.fd = os.open(
+            Path(folder, f"{os.getpid()}-{next(self._count)}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+        )
+        self._calls = itertools.count()
+        self._lock = threading.Lock()
+
+    def write(self, line: dict[str, Any]) -> None:
+        data = msgspec.json.encode(line) + b"\n"
+        with self._lock:
+            os.write(self.fd, data)
+
+    def call(self, name: str, args: tuple[Any, ...]) -> int:
+        n = next(self._calls)
+        self.write({"n": n, "name": name, "args": [_slim(a) for a in args]})
+        return n
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _slim(arg: Any) -> Any:
+    """A call's argument as the journal keeps it: a checkpoint by its request only."""
+    if isinstance(arg, list | tuple) and arg and isinstance(arg[0], RequestCheckpoint):
+        return [r.request_id for r in arg]
+    return arg
+
+
 @dataclass
 class RecordingLedger:
     inner: Ledger
     history: list[Op] = field(default_factory=list)
+    journal: Journal | None = None  # set: calls go there, not to `history`
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self.inner, name)
-        if not callable(target) or name in {"blocks", "leases", "lease", "request", "requests", "check_integrity"}:
+        if not callable(target) or name in _READS:
             return target
 
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **options: Any) -> Any:
+            # Recorded by its positional arguments (the checker's); options (grant's `below`) pass through.
             op = Op(len(self.history), name, args, ok=False)
-            self.history.append(op)
+            n = self.journal.call(name, args) if self.journal is not None else None
+            if self.journal is None:
+                self.history.append(op)
             try:
-                op.result = target(*args)
+                op.result = target(*args, **options)
             except Exception as exc:
                 op.error = f"{type(exc).__name__}: {exc}"
                 raise
-            op.ok = True
+            else:
+                op.ok = True
+            finally:
+                if self.journal is not None:
+                    ended = {"n": n, "ok": op.ok, "result": op.result, "error": op.error}
+                    self.journal.write({**ended, "order": self.inner.commit_order()})
             return op.result
 
         call.__name__ = name
         return call
+
+
+def load_journal(folder: str | Path) -> list[Op]:
+    """Every process's recorded calls in `folder`, as one history in the store's order."""
+    entries: list[tuple[int, str, int, Op]] = []
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        started: dict[int, dict[str, Any]] = {}
+        ended: dict[int, dict[str, Any]] = {}
+        for line in path.read_bytes().splitlines():
+            if not line.strip():
+                continue
+            record = msgspec.json.decode(line)
+            (ended if "ok" in record else started)[record["n"]] = record
+        last = 0
+        for n, call in sorted(started.items()):
+            end = ended.get(n)
+            if end is None and call["name"] in _NEEDS_RESULT:
+                continue  # died in it, and its answer is needed to replay it
+            ok = end["ok"] if end is not None else True  # died in it: it may have committed
+            result = end["result"] if end is not None else None
+            if call["name"] == "acquire_lease" and ok:
+                result = Lease(**{**result, "state": LeaseState(result["state"])})
+            elif call["name"] == "reclaim" and ok:
+                result = tuple(result)
+            # One that never ended goes right after the same process's call before it.
+            order = end["order"] if end is not None and end["order"] else last
+            last = order
+            op = Op(0, call["name"], tuple(call["args"]), ok, result, end["error"] if end else "died in the call")
+            entries.append((order, path.name, n, op))
+    history = [op for *_, op in sorted(entries, key=lambda e: e[:3])]
+    for seq, op in enumerate(history):
+        op.seq = seq
+    return history
 
 
 def _expanded(history: list[Op]) -> list[Op]:

@@ -285,6 +285,12 @@ class Ledger(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def commit_order(self) -> int:
+        """Where this thread's last operation stands in the store's one order of operations, comparable
+        between processes (a recorded history from several processes is replayed in this order):
+        etcd's revision, or for SQLite the host's monotonic clock inside the write lock. 0: unknown."""
+        return 0
+
     # --- integrity ----------------------------------------------------------------------------
     def check_integrity(self) -> list[str]:
         """Problems between blocks and leases; an empty list when the ledger is consistent."""

@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from steadfast import env
 from steadfast.kv.etcd_ledger import EtcdLedger
+from steadfast.kv.history import Journal, RecordingLedger
 from steadfast.kv.ledger import Ledger, LedgerUrlError
 from steadfast.kv.sqlite_ledger import SqliteLedger
 
@@ -89,8 +91,12 @@ def open_ledger(url: str, *, clock: Callable[[], float] = time.monotonic, timeou
     operation waits for the store (busy, locked, no quorum) before it fails with `LedgerUnavailableError`."""
     etcd = _etcd(url)
     if etcd is not None:
-        return EtcdLedger(etcd[0], etcd[1], clock=clock, timeout_s=timeout_s)
-    return SqliteLedger(_sqlite_path(url), clock=clock, timeout_s=timeout_s)
+        ledger: Ledger = EtcdLedger(etcd[0], etcd[1], clock=clock, timeout_s=timeout_s)
+    else:
+        ledger = SqliteLedger(_sqlite_path(url), clock=clock, timeout_s=timeout_s)
+    if journal := env.ledger_journal():
+        return RecordingLedger(ledger, journal=Journal(journal))  # type: ignore[return-value] - a Ledger by proxy
+    return ledger
 
 
 def sqlite_url(path: str | os.PathLike[str]) -> str:

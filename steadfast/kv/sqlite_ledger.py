@@ -71,6 +71,7 @@ class SqliteLedger(SqliteSlots, Ledger):
         self.timeout_s = timeout_s
         # Re-entrant: a transaction's helpers, and a subclass wrapping `_tx`, may take it again.
         self._lock = threading.RLock()
+        self._order = threading.local()  # each thread's last commit's place in the host's order
         try:
             # isolation_level=None: transactions are opened explicitly, with BEGIN IMMEDIATE.
             # check_same_thread=False: threads share the connection, one at a time under `_lock`.
@@ -103,6 +104,9 @@ class SqliteLedger(SqliteSlots, Ledger):
         try:
             c = self.db.cursor()
             c.execute("BEGIN IMMEDIATE")
+            # Inside the write lock, so the order of these stamps is the order of the transactions, also
+            # between processes (CLOCK_MONOTONIC is the host's).
+            self._order.value = time.monotonic_ns()
             try:
                 yield c
                 c.execute("COMMIT")
@@ -129,6 +133,9 @@ class SqliteLedger(SqliteSlots, Ledger):
     def close(self) -> None:
         with self._lock:
             self.db.close()
+
+    def commit_order(self) -> int:
+        return getattr(self._order, "value", 0)
 
     # --- leases -------------------------------------------------------------------------------
     @staticmethod

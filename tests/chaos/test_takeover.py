@@ -14,6 +14,7 @@ import signal
 import pytest
 
 from steadfast.config import Config
+from steadfast.kv.history import check_history, load_journal
 from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger import LeaseState
 from steadfast.kv.pool import process_gone
@@ -62,9 +63,12 @@ def joined(outputs: list[RequestOutput]) -> tuple[list[int], str]:
     ],
 )
 def test_killed_worker_is_taken_over_token_exactly(
-    tmp_path, small_model, small_model_path, make_engine, mode, corrupt, route, store
+    tmp_path, small_model, small_model_path, make_engine, mode, corrupt, route, store, monkeypatch
 ):
     cfg = config(mode, small_model_path)
+    journal = tmp_path / "journal"  # every process's ledger calls, for the history checker
+    journal.mkdir()
+    monkeypatch.setenv("STEADFAST_LEDGER_JOURNAL", str(journal))
     reqs = make_requests(small_model.tokenizer)
     reference = make_engine(cfg, small_model).generate(reqs)
 
@@ -142,6 +146,15 @@ def test_killed_worker_is_taken_over_token_exactly(
             assert problems == [f"sealed block {corrupted}: its bytes no longer match its hash"]
         else:
             assert problems == []
+        # The pool's, both workers' and this test's ledger calls, merged in the store's order: the dead
+        # worker's writes, its fencing and reclaim, its successor's adoption, and no invariant broken.
+        history = load_journal(journal)
+        accepted = {(op.name, op.args[0]) for op in history if op.ok and op.args and isinstance(op.args[0], str)}
+        assert {("seal_and_unseal", "worker0"), ("checkpoint", "worker0"), ("fence", "worker0")} <= accepted
+        assert ("reclaim", "worker0") in accepted and ("checkpoint", "worker1") in accepted
+        if route == "ledger_first" and not corrupt:
+            assert ("adopt", "worker1") in accepted
+        assert check_history(history) == []
     finally:
         node.stop()
         if cluster:

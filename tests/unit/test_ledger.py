@@ -3,13 +3,14 @@ threads, and a history checker; and what is SQLite's own (an old file, a busy da
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
 
 import pytest
 
-from steadfast.kv.history import Op, RecordingLedger, check_history
+from steadfast.kv.history import Op, RecordingLedger, check_history, load_journal
 from steadfast.kv.ledger import (
     BlockState,
     FencedError,
@@ -19,9 +20,10 @@ from steadfast.kv.ledger import (
     LedgerUnavailableError,
     RequestCheckpoint,
 )
+from steadfast.kv.ledger_url import open_ledger
 from steadfast.kv.moves.messages import MoveOutcome
 from steadfast.kv.sqlite_ledger import SqliteLedger
-from tests.unit.conftest import lapse
+from tests.unit.conftest import lapse, ledger_url_in
 
 pytestmark = pytest.mark.unit
 
@@ -432,3 +434,38 @@ def test_node_check_verifies_sealed_bytes_and_tables(ledger_factory):
     finally:
         led.close()
         arena.unlink()
+
+
+def test_journals_of_several_ledger_objects_merge_in_the_stores_order(ledger_backend, tmp_path, monkeypatch):
+    """Each ledger object (each process) records its calls in its own file; merged by the store's order
+    they replay as one history: a fence by one object lands between another's accepted and refused writes."""
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    monkeypatch.setenv("STEADFAST_LEDGER_JOURNAL", str(journal))
+    url = ledger_url_in(ledger_backend, tmp_path, "journal")
+    worker, supervisor = open_ledger(url), open_ledger(url)
+    try:
+        worker.format(4)
+        e = worker.acquire_lease("w0", 1, 30).epoch
+        worker.grant("w0", e, 2)
+        worker.seal("w0", e, [(0, b"h0", b"n0")])
+        supervisor.fence("w0")
+        with pytest.raises(FencedError):
+            worker.seal("w0", e, [(1, b"h1", b"n1")])
+        supervisor.reclaim("w0")
+        e1 = supervisor.acquire_lease("w1", 2, 30).epoch
+        supervisor.adopt("w1", e1, [(0, b"h0")])
+    finally:
+        worker.close()
+        supervisor.close()
+    history = load_journal(journal)
+    assert [op.name for op in history if op.name != "close"] == [
+        "format", "acquire_lease", "grant", "seal", "fence", "seal", "reclaim", "acquire_lease", "adopt",
+    ]  # fmt: skip
+    assert [op.ok for op in history if op.name == "seal"] == [True, False]
+    assert check_history(history) == []
+    # A call its process died in (no outcome line) counts as accepted: here a seal of a block the fenced
+    # worker no longer owns, which the checker then flags.
+    died = {"n": 0, "name": "seal", "args": ["w0", e, [[1, "aDE=", "bjE="]]]}
+    (journal / "99999-0.jsonl").write_text(json.dumps(died) + "\n")
+    assert any("stale epoch" in p for p in check_history(load_journal(journal)))

@@ -5,7 +5,7 @@ carry a copy stage's bytes and the two messages that reach the destination node'
 A source opens a session with PREALLOC; once RESERVED it sends `KVFrame`s (one layer's K and V for a span of
 token positions, xxh3-64 checksummed; part `k` of copy stage `s`), each stage's `Copy` (how many parts it has),
 then COMMIT. The destination acks with the stages and parts it still lacks, or prepared. The ledger that
-records the decision is the destination node's (one ledger per node until etcd), so the source asks for it
+records the decision is the destination node's (one ledger per node, whatever its store), so the source asks for it
 with `AskDecision` and hears `Decision`, then tells the destination `Committed`. ABORT from either side. A
 copy in rounds (a live migration) sends `Probe` after its frames and hears `Progress` once the destination
 has handled every frame sent before it (one connection keeps order): it pauses the request for the last
