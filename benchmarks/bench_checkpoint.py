@@ -21,11 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import run_info  # noqa: E402
 from steadfast.config import Config  # noqa: E402
 from steadfast.kv.arena import KVArena  # noqa: E402
 from steadfast.kv.ledger_url import sqlite_url  # noqa: E402
@@ -172,12 +171,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {"command": " ".join(sys.argv), "args": vars(args), "torch": torch.__version__, "results": results},
-            indent=2,
-        )
-    )
+    Path(args.out).write_text(json.dumps({**run_info(args), "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import run_info  # noqa: E402
 from steadfast.kv.ledger import Ledger, RequestCheckpoint  # noqa: E402
 from steadfast.kv.ledger_url import open_ledger, sqlite_url  # noqa: E402
 from tests.etcd_cluster import EtcdCluster  # noqa: E402
@@ -111,9 +112,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"command": " ".join(sys.argv), "args": vars(args), "p50_p99_ms": summary}, indent=2)
-    )
+    Path(args.out).write_text(json.dumps({**run_info(args), "p50_p99_ms": summary}, indent=2))
 
 
 if __name__ == "__main__":

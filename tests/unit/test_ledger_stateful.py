@@ -235,7 +235,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
 def test_ledger_state_machine(ledger_backend: str) -> None:
     # etcd answers each call over HTTP (~1 ms, several per step): fewer runs there, the same rules.
-    examples = 300 if ledger_backend == "sqlite" else 40
+    examples = 300 if ledger_backend == "sqlite" else 25
     run_state_machine_as_test(
         lambda: LedgerMachine(ledger_backend),
         settings=settings(max_examples=examples, stateful_step_count=50, deadline=None),
