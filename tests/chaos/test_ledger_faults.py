@@ -7,6 +7,7 @@ what survived it: ledger consistency, arena bytes, and the tokens a client would
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import time
@@ -15,12 +16,14 @@ import pytest
 import torch
 
 from steadfast.config import Config
+from steadfast.kv.history import check_history, load_journal
 from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger import BlockState, LeaseState
 from steadfast.kv.pool import process_gone
 from steadfast.protocol import AddRequest, SamplingParams
 from tests.chaos.node import Node, tokens_of
 from tests.conftest import wait_until
+from tests.etcd_cluster import shared_etcd
 
 pytestmark = pytest.mark.chaos
 
@@ -50,8 +53,19 @@ def draining(node: Node):
     return lambda: node.outputs(timeout=0.05)
 
 
-def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt, small_model_path):
-    node = Node(tmp_path, config(small_model_path, kv_cache={"snapshot_interval_steps": 4}))
+@pytest.mark.parametrize("store", ["sqlite", "etcd"])
+def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt, small_model_path, store, monkeypatch):
+    """On etcd the lease ends on etcd's clock (a TTL of 1 s, the 600 ms asked for rounded up) and etcd
+    itself refuses the worker's writes when it comes back; on SQLite, the pool's clock and its checks."""
+    url = ""
+    if store == "etcd":
+        if shutil.which("etcd") is None:
+            pytest.skip("etcd (Debian etcd-server) is not installed")
+        url = shared_etcd().ledger_url(f"/ledger-faults{tmp_path}")
+    journal = tmp_path / "journal"  # every process's ledger calls, for the history checker
+    journal.mkdir()
+    monkeypatch.setenv("STEADFAST_LEDGER_JOURNAL", str(journal))
+    node = Node(tmp_path, config(small_model_path, kv_cache={"snapshot_interval_steps": 4}), ledger_url=url)
     try:
         node.start_pool()
         worker = node.start_worker(0)
@@ -81,14 +95,20 @@ def test_worker_stopped_past_its_lease_is_fenced_and_exits(tmp_path, prompt, sma
         assert tokens_of(after, "long") == []  # a fenced worker hands out nothing it computed
         row = ledger.request("long")
         assert row.epoch == epoch
-        cur = sqlite3.connect(node.ledger_path).execute("SELECT MAX(updated) FROM requests").fetchone()[0]
-        assert cur <= stopped  # no checkpoint accepted after the stop
+        assert max(r.updated_at for r in ledger.requests()) <= stopped  # no checkpoint accepted after the stop
         # Once the process is gone the pool reclaims: partial blocks quarantined, sealed ones kept ownerless.
         wait_until(lambda: not any(b.owner == "worker0" for b in ledger.blocks()), 10, "reclaim")
         states = {b.state for b in ledger.blocks()}
         assert BlockState.QUARANTINED in states
         assert check_node(ledger, node.arena()) == []
         ledger.close()
+        # The worker's and the pool's calls in the store's order: the fence, then the worker's own write
+        # under its old epoch refused when it came back, and nothing accepted that should not have been.
+        history = load_journal(journal)
+        fence = next(op.seq for op in history if op.name == "fence" and op.args[0] == "worker0" and op.ok)
+        refused = [op for op in history[fence:] if not op.ok and op.args[:2] == ("worker0", epoch)]
+        assert refused, [(op.name, op.args[:2], op.ok) for op in history[fence:]]
+        assert check_history(history) == []
     finally:
         node.stop()
 
