@@ -59,6 +59,9 @@ ROUTER_STOP_GRACE_S = 10.0
 ORPHAN_REAP_S = 5.0
 WORKER_STOP_S = 10.0  # a worker with no request exits at once (it may be loading the model still)
 POOL_STOP_S = 10.0
+# A lapsed lease its pool has not fenced this long after the supervisor saw it lapse: the pool is not
+# arbitrating (it fences within a renew interval when it runs), so the supervisor fences it.
+LAPSED_GRACE_S = 2.0
 
 
 class Phase(enum.Enum):
@@ -130,6 +133,8 @@ class Launcher:
     zygote: Zygote | None = None  # forks the workers (`model.fork_workers`)
     _next_reap: float = 0.0  # (a subreaper adopts every orphan below it: see reap_orphans)
     _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
+    _lapsed: dict[tuple[int, str], float] = field(default_factory=dict)  # (node, worker) -> first seen lapsed
+    _fenced_here: set[str] = field(default_factory=set)  # workers this supervisor fenced, not their pool
     # Once the router runs, a SIGTERM or SIGINT is a stop in order (its clients' streams drain), even one
     # that comes before `wait`: kept here, acted on there.
     router_started: bool = False
@@ -296,12 +301,27 @@ class Launcher:
 
     def _kill_fenced(self) -> None:
         """A worker its pool fenced (its lease expired: hung, stopped) can never write again; end it,
-        so that its death is certain and its requests can move."""
+        so that its death is certain and its requests can move. A lease that lapsed and is still active
+        `LAPSED_GRACE_S` later is fenced here: its node's pool is not arbitrating (stopped or hung with
+        the rest of its node), and its workers' requests must not wait for it."""
         fenced = set()
+        now = time.monotonic()
         for node in self.nodes:
             if node.ledger is None:
                 node.ledger = open_ledger(node.ledger_url)
-            fenced |= {lease.worker for lease in node.ledger.leases() if lease.state == LeaseState.FENCED}
+            for lease in node.ledger.leases():
+                key = (node.index, lease.worker)
+                if lease.state == LeaseState.ACTIVE and lease.expires < now:
+                    if now - self._lapsed.setdefault(key, now) < LAPSED_GRACE_S:
+                        continue
+                    node.ledger.fence(lease.worker)
+                    self._fenced_here.add(lease.worker)
+                    log.error("%s's lease lapsed and its pool did not fence it: the supervisor did", lease.worker)
+                    fenced.add(lease.worker)
+                else:
+                    self._lapsed.pop(key, None)
+                    if lease.state == LeaseState.FENCED:
+                        fenced.add(lease.worker)
         for c in self.children:
             if c.name in fenced and c.proc.poll() is None:
                 log.error("%s (pid %d) was fenced while alive; killing it", c.name, c.proc.pid)
@@ -320,7 +340,10 @@ class Launcher:
             self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, 0)))
             return
         log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
-        if self.nodes:
+        if self.nodes and c.name in self._fenced_here:
+            # Fenced here because its pool did not: the pool reclaims its blocks when it runs again.
+            self._fenced_here.discard(c.name)
+        elif self.nodes:
             try:
                 kept = PoolClient(self.nodes[node].address, "supervisor", timeout_s=1.0, attempts=3).fence_dead(
                     c.name, c.proc.pid

@@ -34,6 +34,7 @@ from steadfast.kv.arena import map_arena
 from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger import BlockState
 from steadfast.kv.ledger_url import open_ledger, sqlite_url
+from steadfast.kv.pool import process_gone
 from steadfast.kv.pool_client import PoolClient
 from tests.conftest import wait_until
 from tests.etcd_cluster import EtcdCluster
@@ -214,3 +215,46 @@ def test_the_destination_killed_mid_copy_the_request_stays_at_the_source(server,
     assert record_of(server, answer)["outcome"] in ("aborted", "lost")
     wait_until(lambda: all(w["id"] != mixed["id"] for w in workers(server)), 30, "the dead destination dropped")
     check_pools(server, dead=f"worker{mixed['id']}")
+
+
+def _pool_pid(address: str) -> int:
+    """The kvpool daemon serving `address` (a worker row's `node`)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"steadfast.kv.pool" in argv and address.encode() in argv:
+            return int(proc.name)
+    raise AssertionError(f"no kvpool process serves {address}")
+
+
+def test_the_decode_node_stopped_past_its_leases_is_fenced_and_its_stream_finishes_on_the_other(server, want):
+    """The decode node — its kvpool, decode worker and standby — SIGSTOPped while a stream decodes there,
+    as a host that stops answering: its pool cannot fence the lapsed leases, so the supervisor does (on
+    etcd from then on etcd refuses their writes), ends them, and the stream is resumed on node 0 and
+    finishes token-exactly. Runs last: it takes the module's decode node down."""
+    wait_until(
+        lambda: any(w["role"] == "decode" and w["state"] == "ready" for w in workers(server)), 60, "a decode worker"
+    )
+    decode = next(w for w in workers(server) if w["role"] == "decode")
+    stopped = [w for w in workers(server) if w["node"] == decode["node"]]
+    pool = _pool_pid(decode["node"])
+    pids = [pool, *(w["pid"] for w in stopped)]
+
+    def stop_the_node(rid: str) -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
+    try:
+        got, finish = stream_moved(server, 0, 2, stop_the_node)
+        assert finish == "length" and got == want[0]  # nothing lost, nothing twice
+        assert f"worker{decode['id']}'s lease lapsed and its pool did not fence it" in server.output()
+        for w in stopped:  # ended by the supervisor while stopped
+            wait_until(lambda w=w: process_gone(w["pid"]), 10, f"worker {w['id']} ended")
+        moved = httpx.get(server.url + "/admin/takeovers").json()
+        assert any(t["from_worker"] == decode["id"] for t in moved), moved
+    finally:
+        os.kill(pool, signal.SIGCONT)  # the node's pool comes back; it reclaims what the dead workers held
