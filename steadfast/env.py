@@ -70,6 +70,11 @@ def failpoint_dir() -> str | None:
     return os.environ.get("STEADFAST_FAILPOINT_DIR")
 
 
+def etcd_password() -> str:
+    """The password of the etcd user an `etcd://user@...` ledger URL names (never in the URL)."""
+    return os.environ.get("STEADFAST_ETCD_PASSWORD", "")
+
+
 def ledger_journal() -> str:
     """A folder where every ledger a process opens records its calls (a fault test's history); unset: none."""
     return os.environ.get("STEADFAST_LEDGER_JOURNAL", "")

@@ -166,11 +166,22 @@ def kvs_of(response: dict[str, Any]) -> list[KeyValue]:
 
 
 class EtcdClient:
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0, attempt_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        timeout_s: float = 5.0,
+        attempt_s: float = 1.0,
+        user: str = "",
+        password: str = "",
+    ) -> None:
+        """`user`, `password`: log in to a cluster with authentication on (etcd's simple tokens: the
+        token goes with every request, and is asked for again when etcd says it is no longer valid)."""
         if not endpoints:
             raise ValueError("etcd needs at least one endpoint")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.timeout_s = timeout_s
+        self.user, self._password = user, password
+        self._token = ""
         self._current = 0
         self._http = httpx.Client(timeout=httpx.Timeout(min(attempt_s, timeout_s)))
 
@@ -184,14 +195,36 @@ class EtcdClient:
         self.close()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if not self.user:
+            return self._send(path, body)
+        if not self._token:
+            self._login()
+        try:
+            return self._send(path, body)
+        except EtcdError as exc:
+            if "auth token" not in str(exc):  # (etcd: "invalid auth token", after its tokens' TTL)
+                raise
+        self._login()
+        return self._send(path, body)
+
+    def _login(self) -> None:
+        self._token = ""
+        try:
+            answer = self._send("/v3/auth/authenticate", {"name": self.user, "password": self._password})
+        except EtcdError as exc:
+            raise EtcdError(f"etcd refused the login of user {self.user!r}: {exc}") from None
+        self._token = str(answer.get("token", ""))
+
+    def _send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout_s
+        headers = {"Authorization": self._token} if self._token else None
         wait = RETRY_S
         last = ""
         while True:
             for _ in range(len(self.endpoints)):
                 endpoint = self.endpoints[self._current]
                 try:
-                    r = self._http.post(endpoint + path, json=body)
+                    r = self._http.post(endpoint + path, json=body, headers=headers)
                 except httpx.TransportError as exc:
                     last = f"{endpoint}: {exc!r}"
                     self._current = (self._current + 1) % len(self.endpoints)

@@ -71,9 +71,11 @@ class EtcdLedger(EtcdLeases, EtcdSlots, Ledger):
         clock: Callable[[], float] = time.monotonic,
         timeout_s: float = 10.0,
         wall_clock: Callable[[], float] = time.time,
+        user: str = "",
+        password: str = "",
     ) -> None:
         self.where = f"etcd {','.join(endpoints)} {prefix}"
-        self.client = EtcdClient(endpoints, timeout_s=timeout_s)
+        self.client = EtcdClient(endpoints, timeout_s=timeout_s, user=user, password=password)
         self.keys = Keys(prefix)
         self.clock = clock
         self.wall_clock = wall_clock

@@ -5,9 +5,10 @@ objects or bare file names, so that a node can move to another store without its
 
 - `sqlite:///abs/path.db` or `sqlite:rel/path.db`: the embedded backend; the rest of the URL is the
   file's path verbatim (no percent-decoding, no query part). A plain file path means the same.
-- `etcd://host:port,host:port,.../prefix`: the replicated backend on an etcd cluster (its members'
+- `etcd://[user@]host:port,host:port,.../prefix`: the replicated backend on an etcd cluster (its members'
   client addresses, plain HTTP; `etcd+https://` for TLS), the ledger's keys under `/prefix` (default
-  `/steadfast`): one cluster holds the ledgers of many nodes, each under its own prefix.
+  `/steadfast`): one cluster holds the ledgers of many nodes, each under its own prefix. With a user, it
+  logs in with the password in `STEADFAST_ETCD_PASSWORD` (never in the URL).
 
 Nothing outside this module and the backend's own module names a backend class.
 """
@@ -30,6 +31,7 @@ from steadfast.kv.sqlite_ledger import SqliteLedger
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)\Z", re.DOTALL)
 _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})\Z")
 ETCD_PREFIX = "/steadfast"
+ETCD_PASSWORD = "STEADFAST_ETCD_PASSWORD"  # (env.etcd_password reads it)
 
 
 def _scheme(url: str) -> tuple[str, str] | None:
@@ -37,15 +39,21 @@ def _scheme(url: str) -> tuple[str, str] | None:
     return (match[1].lower(), match[2]) if match else None
 
 
-def _etcd(url: str) -> tuple[list[str], str] | None:
-    """The member endpoints and key prefix an etcd URL names; None for another scheme."""
+def _etcd(url: str) -> tuple[list[str], str, str] | None:
+    """The member endpoints, key prefix and user an etcd URL names; None for another scheme."""
     parts = _scheme(url)
     if parts is None or parts[0] not in ("etcd", "etcd+http", "etcd+https"):
         return None
     scheme, rest = parts
     if not rest.startswith("//"):
-        raise LedgerUrlError(f"ledger {url!r}: write etcd://host:port[,host:port...][/prefix]")
+        raise LedgerUrlError(f"ledger {url!r}: write etcd://[user@]host:port[,host:port...][/prefix]")
     hosts, _, path = rest[2:].partition("/")
+    user, at, hosts = hosts.rpartition("@")
+    if at and (not user or ":" in user):
+        # A password in a URL ends up in config files, logs and command lines: it comes from the environment.
+        raise LedgerUrlError(
+            f"ledger {url.split('@')[-1]!r}: name the user only (user@host); the password goes in {ETCD_PASSWORD}"
+        )
     members = [h for h in hosts.split(",") if h]
     if not members:
         raise LedgerUrlError(f"ledger {url!r} names no etcd member")
@@ -55,7 +63,8 @@ def _etcd(url: str) -> tuple[list[str], str] | None:
     if "?" in path or "#" in path or "//" in path:
         raise LedgerUrlError(f"ledger {url!r}: the prefix is a plain path (no query, no empty part)")
     http = "https" if scheme == "etcd+https" else "http"
-    return [f"{http}://{m}" for m in members], "/" + path.strip("/") if path.strip("/") else ETCD_PREFIX
+    prefix = "/" + path.strip("/") if path.strip("/") else ETCD_PREFIX
+    return [f"{http}://{m}" for m in members], prefix, user
 
 
 def _sqlite_path(url: str) -> str:
@@ -91,7 +100,9 @@ def open_ledger(url: str, *, clock: Callable[[], float] = time.monotonic, timeou
     operation waits for the store (busy, locked, no quorum) before it fails with `LedgerUnavailableError`."""
     etcd = _etcd(url)
     if etcd is not None:
-        ledger: Ledger = EtcdLedger(etcd[0], etcd[1], clock=clock, timeout_s=timeout_s)
+        endpoints, prefix, user = etcd
+        password = env.etcd_password() if user else ""
+        ledger: Ledger = EtcdLedger(endpoints, prefix, clock=clock, timeout_s=timeout_s, user=user, password=password)
     else:
         ledger = SqliteLedger(_sqlite_path(url), clock=clock, timeout_s=timeout_s)
     if journal := env.ledger_journal():
@@ -112,6 +123,6 @@ def sibling_ledger_url(url: str, suffix: str) -> str:
     etcd = _etcd(url)
     if etcd is not None:
         scheme, rest = url.split("://", 1)
-        return f"{scheme}://{rest.partition('/')[0]}{etcd[1]}{suffix}"
+        return f"{scheme}://{rest.partition('/')[0]}{etcd[1]}{suffix}"  # (the user, if any, stays)
     path = Path(_sqlite_path(url))
     return sqlite_url(path.with_name(f"{path.stem}{suffix}{path.suffix}"))

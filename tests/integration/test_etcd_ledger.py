@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from steadfast.kv.etcd_client import EtcdClient
 from steadfast.kv.history import RecordingLedger, check_history
 from steadfast.kv.ledger import FencedError, LedgerError, RequestCheckpoint
 from steadfast.kv.ledger_url import open_ledger
@@ -89,4 +90,34 @@ def test_the_leader_killed_mid_checkpoint_leaves_a_consistent_ledger(tmp_path):
         assert check_history(rec.history) == []
     finally:
         ledger.close()
+        cluster.stop()
+
+
+def test_a_cluster_with_authentication_is_logged_in_to_with_the_password_from_the_environment(tmp_path, monkeypatch):
+    cluster = EtcdCluster(tmp_path, size=1).start()
+    try:
+        admin = EtcdClient(cluster.endpoints)
+        admin._send("/v3/auth/user/add", {"name": "root", "password": "s3cret"})
+        admin._send("/v3/auth/role/add", {"name": "root"})
+        admin._send("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        admin._send("/v3/auth/enable", {})
+        admin.close()
+        url = cluster.ledger_url("/auth").replace("etcd://", "etcd://root@")
+        with pytest.raises(LedgerError, match="login of user 'root'"):
+            monkeypatch.setenv("STEADFAST_ETCD_PASSWORD", "wrong")
+            open_ledger(url).format(2)
+        anonymous = open_ledger(cluster.ledger_url("/auth"))
+        with pytest.raises(LedgerError):  # no user: etcd refuses every call
+            anonymous.format(2)
+        anonymous.close()
+        monkeypatch.setenv("STEADFAST_ETCD_PASSWORD", "s3cret")
+        ledger = open_ledger(url)
+        ledger.format(2)
+        e = ledger.acquire_lease("w0", 1, 30).epoch
+        assert ledger.grant("w0", e, 1) == [0]
+        ledger.client._token = "expired"  # etcd's tokens end after 5 minutes: it logs in again
+        ledger.seal("w0", e, [(0, b"h")])
+        assert ledger.check_integrity() == []
+        ledger.close()
+    finally:
         cluster.stop()

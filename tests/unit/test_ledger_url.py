@@ -54,6 +54,13 @@ def test_etcd_urls_name_members_and_a_prefix():
     assert tls.client.endpoints == ["https://a:2379"] and tls.keys.root == b"/steadfast/"
     tls.close()
     assert sibling_ledger_url("etcd://a:1,b:2/x", "-node1") == "etcd://a:1,b:2/x-node1"
+    named = open_ledger("etcd://alice@a:1,b:2/x")
+    assert named.client.user == "alice" and named.client.endpoints == ["http://a:1", "http://b:2"]
+    named.close()
+    assert sibling_ledger_url("etcd://alice@a:1/x", "-node1") == "etcd://alice@a:1/x-node1"
+    with pytest.raises(LedgerUrlError) as err:
+        open_ledger("etcd://alice:hunter2@a:1/x")
+    assert "hunter2" not in str(err.value)  # a password is never repeated into a message
     assert sibling_ledger_url("etcd://a:1", "") == "etcd://a:1/steadfast"
 
 
@@ -66,10 +73,11 @@ def test_etcd_urls_name_members_and_a_prefix():
         ("sqlite:", "names no file"),
         ("sqlite://", "names no file"),
         ("", "empty ledger URL"),
-        ("etcd:a:1", "write etcd://host:port"),
+        ("etcd:a:1", "write etcd://[user@]host:port"),
         ("etcd:///x", "names no etcd member"),
         ("etcd://a/x", "is not host:port"),
         ("etcd://a:1/x?y=1", "plain path"),
+        ("etcd://alice:pw@a:1/x", "STEADFAST_ETCD_PASSWORD"),
     ],
 )
 def test_a_url_naming_no_store_is_refused_clearly(url, fragment):
