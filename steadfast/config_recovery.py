@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from steadfast.config_base import ConfigError
 from steadfast.kv.ledger import LedgerUrlError
-from steadfast.kv.ledger_url import check_ledger_url
+from steadfast.kv.ledger_address import check_ledger_url
 
 RECOVERY_MODES = ("ledger_first", "rebuild", "auto")
 
