@@ -38,7 +38,7 @@ import zmq
 from steadfast import env, protocol
 from steadfast.config import Config
 from steadfast.kv.arena_file import ArenaSpaceError, check_space, make_arena
-from steadfast.kv.ledger import LeaseState, Ledger
+from steadfast.kv.ledger import LeaseState, Ledger, LedgerUnavailableError
 from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
 from steadfast.kv.moves.curve import CurveUnavailableError, TransferSide, write_deployment_keys
 from steadfast.kv.pool_client import PoolClient
@@ -62,6 +62,7 @@ POOL_STOP_S = 10.0
 # A lapsed lease its pool has not fenced this long after the supervisor saw it lapse: the pool is not
 # arbitrating (it fences within a renew interval when it runs), so the supervisor fences it.
 LAPSED_GRACE_S = 2.0
+LEDGER_WAIT_S = 2.0  # the supervisor's ledger calls wait this long for the store, not the workers' 10 s
 
 
 class Phase(enum.Enum):
@@ -308,24 +309,36 @@ class Launcher:
         now = time.monotonic()
         for node in self.nodes:
             if node.ledger is None:
-                node.ledger = open_ledger(node.ledger_url)
-            for lease in node.ledger.leases():
-                key = (node.index, lease.worker)
-                if lease.state == LeaseState.ACTIVE and lease.expires < now:
-                    if now - self._lapsed.setdefault(key, now) < LAPSED_GRACE_S:
-                        continue
-                    node.ledger.fence(lease.worker)
-                    self._fenced_here.add(lease.worker)
-                    log.error("%s's lease lapsed and its pool did not fence it: the supervisor did", lease.worker)
-                    fenced.add(lease.worker)
-                else:
-                    self._lapsed.pop(key, None)
-                    if lease.state == LeaseState.FENCED:
-                        fenced.add(lease.worker)
+                # A short wait: this runs in the loop that notices deaths, which a store without a
+                # quorum (etcd) must not hold up for long.
+                node.ledger = open_ledger(node.ledger_url, timeout_s=LEDGER_WAIT_S)
+            try:
+                fenced |= self._fence_lapsed(node, now)
+            except LedgerUnavailableError as exc:  # the store is down: try again next round, keep supervising
+                log.warning("%s's ledger unavailable to the supervisor: %s", node.name, exc)
         for c in self.children:
             if c.name in fenced and c.proc.poll() is None:
                 log.error("%s (pid %d) was fenced while alive; killing it", c.name, c.proc.pid)
                 c.proc.kill()
+
+    def _fence_lapsed(self, node: PoolNode, now: float) -> set[str]:
+        """The node's fenced workers, after fencing those whose lease lapsed `LAPSED_GRACE_S` ago."""
+        assert node.ledger is not None
+        fenced = set()
+        for lease in node.ledger.leases():
+            key = (node.index, lease.worker)
+            if lease.state == LeaseState.ACTIVE and lease.expires < now:
+                if now - self._lapsed.setdefault(key, now) < LAPSED_GRACE_S:
+                    continue
+                node.ledger.fence(lease.worker)
+                self._fenced_here.add(lease.worker)
+                log.error("%s's lease lapsed and its pool did not fence it: the supervisor did", lease.worker)
+                fenced.add(lease.worker)
+            else:
+                self._lapsed.pop(key, None)
+                if lease.state == LeaseState.FENCED:
+                    fenced.add(lease.worker)
+        return fenced
 
     def _worker_died(self, c: Child) -> None:
         """Reaped worker: fence it through its node's pool (pid confirmed gone), tell the router; a
