@@ -14,6 +14,7 @@ import msgspec
 import zmq
 
 from steadfast import env, protocol
+from steadfast.cluster_keys import ClusterKeys, as_client, as_server
 
 _PR_SET_PDEATHSIG = 1
 # Largest router → worker message taken (a request's prompt ids are its bulk): a peer past it is cut off.
@@ -71,14 +72,18 @@ def setup_logging(name: str) -> None:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s"))
     # force: a worker forked by the zygote replaces the zygote's handler (its name)
     logging.basicConfig(level=env.log_level(), handlers=[handler], force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per request to etcd, otherwise)
 
 
 class WorkerInbox:
     """The worker's end of router → worker messages (PULL, bound by the worker)."""
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, keys: ClusterKeys | None = None) -> None:
+        """`keys`: a node part's (the router connects over TCP; `ctx` guarded by `cluster_keys.guard`)."""
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if keys is not None:
+            as_server(self.sock, keys)
         self.sock.bind(address)
 
     def poll(self, timeout_ms: int) -> bool:
@@ -102,9 +107,11 @@ class WorkerInbox:
 class WorkerOutbox:
     """The worker's end of worker → router messages (PUSH, connected to the router)."""
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, keys: ClusterKeys | None = None) -> None:
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        if keys is not None:
+            as_client(self.sock, keys)
         self.sock.connect(address)
 
     def send(self, message: msgspec.Struct) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -40,6 +40,7 @@ class EtcdCluster:
     # etcd's own knobs beyond the defaults (e.g. --max-txn-ops), for every member
     extra: list[str] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)
+    host: str = "127.0.0.1"  # the address its members listen on (a test hosts' bridge, to be reached from them)
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
         etcd = shutil.which("etcd")
@@ -50,8 +51,8 @@ class EtcdCluster:
             self.members.append(
                 Member(
                     name,
-                    f"http://127.0.0.1:{_free_port()}",
-                    f"http://127.0.0.1:{_free_port()}",
+                    f"http://{self.host}:{_free_port(self.host)}",
+                    f"http://{self.host}:{_free_port(self.host)}",
                     self.folder / name,
                     self.folder / f"{name}.log",
                 )

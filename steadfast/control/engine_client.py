@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from steadfast import protocol
+from steadfast.cluster_keys import ClusterKeys, as_client, as_server, guard
 from steadfast.config import HealthConfig, MigrationConfig, RoutingConfig, SchedulerConfig, TakeoverConfig
 from steadfast.control.delivery import Flight, Verdict, Watermark
 from steadfast.control.health import HealthMonitor
@@ -39,7 +40,7 @@ from steadfast.control.resume import Resumption
 from steadfast.control.routing import Router
 from steadfast.control.timeline import EventKind, Timeline
 from steadfast.control.workers import Liveness, WorkerHandle, WorkerRegistry
-from steadfast.ipc import about
+from steadfast.ipc import MAX_MESSAGE_BYTES, about
 from steadfast.protocol import (
     AbortRequest,
     AddRequest,
@@ -55,6 +56,7 @@ from steadfast.protocol import (
     Resume,
     StepOutputs,
     WorkerDied,
+    WorkerJoined,
     WorkerRole,
     WorkerState,
     WorkerStatus,
@@ -84,15 +86,22 @@ class EngineClient:
         health: HealthConfig | None = None,
         routing: RoutingConfig | None = None,
         scheduler: SchedulerConfig | None = None,
+        keys: ClusterKeys | None = None,
     ) -> None:
         """`workers`: (id, input address, role) of each worker. `ledger_urls`: each node's ledger,
-        where a restarted router finds requests it never saw (to resume them for reconnecting clients)."""
+        where a restarted router finds requests it never saw (to resume them for reconnecting clients).
+        `keys`: a router part's, whose workers are on other hosts: every queue is CURVE over TCP."""
         self.ctx = zmq.asyncio.Context()
         self.output_address = output_address
         self.status_interval_s = status_interval_s
         self.request_timeout_s = request_timeout_s
         takeover = takeover or TakeoverConfig()
+        self._keys = keys
+        self._auth = guard(self.ctx, keys) if keys is not None else None  # (before anything binds)
         self._pull = self.ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if keys is not None:
+            as_server(self._pull, keys)
         self._pull.bind(output_address)
         self.registry = WorkerRegistry()
         self._socks: dict[int, zmq.asyncio.Socket] = {}
@@ -160,6 +169,8 @@ class EngineClient:
     def _add_worker(self, worker_id: int, address: str, role: WorkerRole) -> WorkerHandle:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is not None:
+            as_client(sock, self._keys)
         sock.connect(address)
         self._socks[worker_id] = sock
         return self.registry.add(worker_id, address, role)
@@ -180,7 +191,13 @@ class EngineClient:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.destroy(linger=0)
+
+    async def notice(self, msg: WorkerDied | WorkerJoined) -> None:
+        """A supervisor's news that came another way than the output socket (a node's record in etcd)."""
+        await self._handle(msg)
 
     async def _send(self, worker: WorkerHandle, message: msgspec.Struct) -> bool:
         """Send to a worker; False (logged) when its socket is gone or refuses."""

@@ -13,17 +13,20 @@ import os
 import uvicorn
 
 from steadfast import env
+from steadfast.cluster_keys import ClusterKeys, ClusterSide
 from steadfast.config import config_from_dict
 from steadfast.control.api import create_app
 from steadfast.control.dashboard import Dashboard
 from steadfast.control.degrade import Degradation, Sources
 from steadfast.control.engine_client import EngineClient
 from steadfast.control.guard import GuardConfig
+from steadfast.control.membership import Membership
 from steadfast.control.metrics import Metrics
 from steadfast.control.resume_token import ResumeSigner
 from steadfast.control.serving import Limits, ServingContext
 from steadfast.control.shutdown import GracefulServer, Shutdown
 from steadfast.ipc import die_with_parent, setup_logging
+from steadfast.members import Members, RouterRecord
 from steadfast.model.gguf_meta import max_model_len, open_gguf, read_config
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.protocol import WorkerRole
@@ -37,7 +40,10 @@ async def serve(
     output: str,
     ledger_urls: list[str],
     supervisor: str = "",
+    join: str = "",
+    cluster_keys: str = "",
 ) -> None:
+    """`join`, `cluster_keys`: a router part's etcd URL and key file: it learns its workers there."""
     cfg = config_from_dict(json.loads(cfg_json)).with_env_keys()  # (keys never come on the command line)
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
@@ -57,9 +63,17 @@ async def serve(
         health=cfg.health,
         routing=cfg.routing,
         scheduler=cfg.scheduler,
+        keys=ClusterKeys.load(cluster_keys, ClusterSide.ROUTER) if cluster_keys else None,
     )
     client.maintenance.startup_timeout_s = srv.startup_timeout_s
     await client.start()
+    tasks = []
+    if join:
+        members = Members(join)
+        await asyncio.to_thread(members.publish_router, RouterRecord(output, os.getpid()))
+        ledgers = client.resumption_records.ledger_urls
+        membership = Membership(members, client.notice, lambda url: url in ledgers or ledgers.append(url))
+        tasks.append(asyncio.create_task(membership.run()))
     ctx = ServingContext(
         client=client,
         tokenizer=GGUFTokenizer.from_gguf(reader),
@@ -106,7 +120,7 @@ async def serve(
     try:
         await server.serve()
     finally:
-        for task in (drain, ladder, sampler):
+        for task in (drain, ladder, sampler, *tasks):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -116,19 +130,23 @@ async def serve(
 def main() -> None:
     parser = argparse.ArgumentParser(description="Steadfast router process")
     parser.add_argument("--config-json", required=True)
-    parser.add_argument("--worker", action="append", required=True, help="ID=ADDRESS of a worker taking traffic")
+    parser.add_argument("--worker", action="append", default=[], help="ID=ADDRESS of a worker taking traffic")
     parser.add_argument("--standby", action="append", default=[], help="ID=ADDRESS of a standby (repeat)")
     parser.add_argument(
         "--ledger", action="append", default=[], help="a node's ledger URL, to resume requests after a restart"
     )
     parser.add_argument("--output", required=True, help="address to bind for worker outputs")
     parser.add_argument("--supervisor", default="", help="the supervisor's address, to ask for new workers")
+    parser.add_argument("--join", default="", help="a router part's etcd URL: workers join from the nodes' records")
+    parser.add_argument("--cluster-keys", default="", help="a router part's key file (router.keys)")
     args = parser.parse_args()
     die_with_parent()
     setup_logging("router")
     workers = [(*_worker(a), WorkerRole.MIXED) for a in args.worker]
     workers += [(*_worker(a), WorkerRole.STANDBY) for a in args.standby]
-    asyncio.run(serve(args.config_json, workers, args.output, args.ledger, args.supervisor))
+    asyncio.run(
+        serve(args.config_json, workers, args.output, args.ledger, args.supervisor, args.join, args.cluster_keys)
+    )
 
 
 def _worker(arg: str) -> tuple[int, str]:

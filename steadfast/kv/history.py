@@ -60,16 +60,18 @@ class Op:
 
 class Journal:
     """One ledger object's calls, appended to `<folder>/<pid>-<n>.jsonl` as they start and end, each line
-    written whole (unbuffered), so a process killed mid-call leaves every line before it."""
+    written whole (unbuffered), so a process killed mid-call leaves every line before it. Its first line
+    names the `store` (the ledger's URL): one folder can hold the journals of several nodes' ledgers."""
 
     _count = itertools.count()
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, store: str = "") -> None:
         self.fd = os.open(
             Path(folder, f"{os.getpid()}-{next(self._count)}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
         )
         self._calls = itertools.count()
         self._lock = threading.Lock()
+        self.write({"store": store})
 
     def write(self, line: dict[str, Any]) -> None:
         data = msgspec.json.encode(line) + b"\n"
@@ -126,22 +128,31 @@ class RecordingLedger:
         return call
 
 
-def load_journal(folder: str | Path) -> list[Op]:
-    """Every process's recorded calls in `folder`, as one history in the store's order."""
+def load_journal(folder: str | Path, store: str | None = None) -> list[Op]:
+    """Every process's recorded calls in `folder` (those on the ledger `store` only, when given), as one
+    history in the store's order."""
     entries: list[tuple[int, str, int, Op]] = []
     for path in sorted(Path(folder).glob("*.jsonl")):
         started: dict[int, dict[str, Any]] = {}
         ended: dict[int, dict[str, Any]] = {}
+        on = ""
         for line in path.read_bytes().splitlines():
             if not line.strip():
                 continue
             record = msgspec.json.decode(line)
+            if "store" in record:
+                on = record["store"]
+                continue
             (ended if "ok" in record else started)[record["n"]] = record
+        if store is not None and on != store:
+            continue
         last = 0
         for n, call in sorted(started.items()):
             end = ended.get(n)
             if end is None and call["name"] in _NEEDS_RESULT:
                 continue  # died in it, and its answer is needed to replay it
+            if end is None and call["name"] == "renew_lease":
+                continue  # died in it: a renewal changes no record, and a late one is no write to check
             ok = end["ok"] if end is not None else True  # died in it: it may have committed
             result = end["result"] if end is not None else None
             if call["name"] == "acquire_lease" and ok:

@@ -39,7 +39,7 @@ def open_ledger(url: str, *, clock: Callable[[], float] = time.monotonic, timeou
     else:
         ledger = SqliteLedger(sqlite_path(url), clock=clock, timeout_s=timeout_s)
     if journal := env.ledger_journal():
-        return RecordingLedger(ledger, journal=Journal(journal))  # type: ignore[return-value] - a Ledger by proxy
+        return RecordingLedger(ledger, journal=Journal(journal, url))  # type: ignore[return-value] - a Ledger by proxy
     return ledger
 
 

@@ -105,14 +105,17 @@ def worker_spec(
     transfer: TransferSide | None = None,
     transfer_keys: tuple[str, ...] = (),
     weights_dir: str = "",
+    cluster_keys: str = "",
 ) -> ChildSpec:
     """`transfer`: the worker's side of the KV wire between nodes (None: it goes by its role);
     `transfer_keys`: the paths of its sides' key files (paths only: a key on a command line is public);
-    `weights_dir`: the folder of the node's weight store (empty: the worker loads its own copy)."""
+    `weights_dir`: the folder of the node's weight store (empty: the worker loads its own copy);
+    `cluster_keys`: a node part's key file (its queues to the router are CURVE over TCP)."""
     wire = (
         *(("--transfer-side", str(transfer)) if transfer is not None else ()),
         *(arg for path in transfer_keys for arg in ("--transfer-keys", path)),
         *(("--weights-dir", weights_dir) if weights_dir else ()),
+        *(("--cluster-keys", cluster_keys) if cluster_keys else ()),
     )
     argv = (
         "steadfast.worker.main",
@@ -139,10 +142,14 @@ def router_spec(
     active: list[tuple[int, str]],
     standbys: list[tuple[int, str]],
     supervisor: str = "",
+    join: tuple[str, str] = (),
 ) -> ChildSpec:
     """`active`, `standbys`: (worker id, input address). A restarted router learns each worker's
-    current role from its first status report. `supervisor`: where it asks for new workers (a rollout)."""
+    current role from its first status report. `supervisor`: where it asks for new workers (a rollout).
+    `join`: (etcd URL, key file) of a router part, which learns its workers from the nodes' records."""
     argv = ["steadfast.control.main", "--config-json", cfg_json, "--output", output_address]
+    if join:
+        argv += ["--join", join[0], "--cluster-keys", join[1]]
     if supervisor:
         argv += ["--supervisor", supervisor]
     for url in ledger_urls:

@@ -37,10 +37,20 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from steadfast.ops.cluster_part import ClusterPart, PartRole
     from steadfast.ops.launcher import Launcher, StartupError
 
     cfg = _config(args)
-    launcher = Launcher(cfg)
+    cluster = None
+    role = PartRole(args.role)
+    if role is not PartRole.ALL:
+        where = (args.join, args.cluster_keys, args.advertise, args.node, args.outputs_port)
+        cluster = ClusterPart.create(cfg, role, *where)
+        if cluster.membership is not None:
+            cfg = cluster.node_config(cfg)
+    elif args.join:
+        raise ConfigError("--join is for the parts of a deployment over hosts: add --role router or --role node")
+    launcher = Launcher(cfg, cluster=cluster)
 
     def stop_starting(signum: int, frame: object) -> None:
         if launcher.router_started:  # clients may be streaming already: a stop in order, in `wait`
@@ -55,16 +65,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         launcher.start()
-        print(
-            f"Steadfast serving {cfg.model.name} at {launcher.url}/v1 (ready in {time.perf_counter() - t0:.1f}s)",
-            flush=True,
-        )
+        ready = f"ready in {time.perf_counter() - t0:.1f}s"
+        if cluster is not None and cluster.membership is not None:
+            print(f"Steadfast node {cluster.membership.name} joined {args.join} ({ready})", flush=True)
+        elif cluster is not None:
+            print(f"Steadfast router at {launcher.url}/v1, nodes join at {args.join} ({ready})", flush=True)
+        else:
+            print(f"Steadfast serving {cfg.model.name} at {launcher.url}/v1 ({ready})", flush=True)
         return launcher.wait()
     except StartupError as exc:
         print(f"steadfast: {exc}", file=sys.stderr)
         return 1
     finally:
         launcher.stop()
+
+
+def cmd_cluster_keys(args: argparse.Namespace) -> int:
+    from steadfast.cluster_keys import write_cluster_keys
+
+    try:
+        paths = write_cluster_keys(args.folder)
+    except FileExistsError as exc:
+        print(f"steadfast: {exc.filename} exists; keys are never overwritten", file=sys.stderr)
+        return 1
+    for side, path in paths.items():
+        print(f"{side}: {path} (copy it to every {side} host, mode 0600)")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -110,7 +136,22 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--log-format", choices=["text", "json"], help="every process's log lines (default: STEADFAST_LOG_FORMAT, text)"
     )
+    serve.add_argument(
+        "--role",
+        choices=["all", "router", "node"],
+        default="all",
+        help="all parts on this host (default), or one part of a deployment over hosts (with --join)",
+    )
+    serve.add_argument("--join", default="", help="etcd://host:port,.../prefix the parts find each other in")
+    serve.add_argument("--node", default="", help="this node's name in the deployment (default: the host name)")
+    serve.add_argument("--advertise", default="", help="this host's address the other parts reach it at")
+    serve.add_argument("--cluster-keys", default="", help="folder (or file) of the keys from `steadfast cluster-keys`")
+    serve.add_argument("--outputs-port", type=int, default=0, help="router part: workers' outputs port (port+1)")
     serve.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("cluster-keys", help="make the router's and the nodes' keys for a deployment over hosts")
+    keys.add_argument("folder", help="where to write router.keys and node.keys (made 0700)")
+    keys.set_defaults(func=cmd_cluster_keys)
 
     gen = sub.add_parser("generate", help="print one completion, computed in this process")
     common(gen)

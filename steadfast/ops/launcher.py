@@ -46,6 +46,7 @@ from steadfast.kv.spec import ArenaSpec, arena_spec
 from steadfast.model.gguf_meta import open_gguf, read_config
 from steadfast.ops.arena_dir import ArenaDir
 from steadfast.ops.children import ArenaSource, ChildKind, ChildSpec, OnExit, pool_spec, router_spec, worker_spec
+from steadfast.ops.cluster_part import ClusterPart, PartRole
 from steadfast.ops.zygote_client import Process, Zygote, become_subreaper, reap_orphans
 from steadfast.protocol import WorkerDied, WorkerJoined, WorkerRole
 
@@ -132,6 +133,7 @@ class Launcher:
     next_worker_id: int = 0
     phase: Phase = Phase.SERVING
     zygote: Zygote | None = None  # forks the workers (`model.fork_workers`)
+    cluster: ClusterPart | None = None  # one part of a deployment over hosts (`serve --role router|node`)
     _next_reap: float = 0.0  # (a subreaper adopts every orphan below it: see reap_orphans)
     _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
     _lapsed: dict[tuple[int, str], float] = field(default_factory=dict)  # (node, worker) -> first seen lapsed
@@ -150,6 +152,10 @@ class Launcher:
     def url(self) -> str:
         return f"http://{self.cfg.server.host}:{self.cfg.server.port}"
 
+    @property
+    def role(self) -> PartRole:
+        return self.cluster.role if self.cluster is not None else PartRole.ALL
+
     def start(self) -> None:
         cfg = self.cfg
         model_cfg = read_config(open_gguf(cfg.model.resolved_path))
@@ -157,6 +163,14 @@ class Launcher:
         cfg_json = json.dumps(cfg.public().to_dict())
         hand_keys_to_children(cfg)
         output = f"ipc://{self.run_dir}/outputs"
+        if self.cluster is not None and self.role is PartRole.ROUTER:
+            self._cfg_json, self._output = cfg_json, self.cluster.outputs
+            self._spawn(self._router_spec([], []))
+            self.router_started = True
+            self._wait_healthy()
+            return
+        if self.cluster is not None:  # a node: its workers send to the router, wherever it runs
+            output = self.cluster.wait_router(cfg.server.startup_timeout_s)
         srv = cfg.server
         # One arena per node, owned by its kvpool daemon, which grants blocks to the node's workers.
         pools = (2 if srv.decode_node == "separate" else 1) if cfg.fault_recovery.kv_cache.external_ledger else 0
@@ -186,6 +200,13 @@ class Launcher:
         except CurveUnavailableError as exc:
             raise StartupError(str(exc)) from None
         self._start_zygote()
+        if self.cluster is not None:  # a node: its workers join the router through its record in etcd
+            assert self.cluster.membership is not None
+            self.cluster.membership.join()
+            for role, node in placed:
+                worker_id = self._take_worker_id()
+                self._notify(WorkerJoined(worker_id, self._spawn_worker(worker_id, role, node), role))
+            return
         for worker_id, (role, node) in enumerate(placed):
             self._spawn_worker(worker_id, role, node)
         active = [i for i, (role, _) in enumerate(placed) if role != WorkerRole.STANDBY]
@@ -252,10 +273,28 @@ class Launcher:
         return os.path.join(self.arena_folder.path, name)
 
     def _worker_address(self, worker_id: int) -> str:
+        if self.cluster is not None:
+            return self.cluster.worker_address()
         return f"ipc://{self.run_dir}/worker{worker_id}"
+
+    def _take_worker_id(self) -> int:
+        if self.cluster is not None:
+            return self.cluster.take_worker_id()
+        return self.next_worker_id
+
+    def _notify(self, msg: WorkerDied | WorkerJoined) -> None:
+        """Tell the router: on this host through its output socket; from a node, in its record in etcd."""
+        if self.cluster is not None:
+            pids = [c.proc.pid for c in self.children if c.spec.worker_id == msg.worker_id]
+            self.cluster.notify(msg, pids[-1] if pids else 0)
+        else:
+            self._notices.send(protocol.encode(msg))
 
     def _router_spec(self, active: list[int], standbys: list[int]) -> ChildSpec:
         """The router: workers (by id) that take traffic, then standbys."""
+        if self.cluster is not None:  # the router part: nodes join through etcd
+            joins = (self.cluster.members.join_url, self.cluster.keys_path)
+            return router_spec(self._cfg_json, self._output, [], [], [], "", joins)
         ledgers = [node.ledger_url for node in self.nodes]
         with_address = [[(i, self._worker_address(i)) for i in ids] for ids in (active, standbys)]
         return router_spec(self._cfg_json, self._output, ledgers, *with_address, self._supervisor_address)
@@ -292,7 +331,10 @@ class Launcher:
         keys = tuple(str(self._wire_keys[s]) for s in sides if s in self._wire_keys)
         folder = self.arena_folder.path if self.arena_folder is not None else ""
         weights = folder if self.cfg.model.shared_weights else ""  # the node's weight store lives beside its arena
-        spec = worker_spec(self._cfg_json, worker_id, address, self._output, role, source, node, side, keys, weights)
+        cluster_keys = self.cluster.keys_path if self.cluster is not None else ""
+        spec = worker_spec(
+            self._cfg_json, worker_id, address, self._output, role, source, node, side, keys, weights, cluster_keys
+        )
         forked = None if fresh or self.zygote is None else self.zygote.fork(list(spec.argv[1:]))
         if forked is not None:
             self.children.append(Child(spec, forked))
@@ -350,7 +392,7 @@ class Launcher:
             # Retired (drained: the router moved its requests away) or stopped by SIGTERM: it released its
             # lease and blocks itself. A planned stop: nothing to fence, no replacement until told.
             log.info("%s (pid %d) retired", c.name, c.proc.pid)
-            self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, 0)))
+            self._notify(WorkerDied(worker_id, c.proc.pid, 0))
             return
         log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
         if self.nodes and c.name in self._fenced_here:
@@ -364,7 +406,7 @@ class Launcher:
                 log.info("%s fenced; %d sealed blocks kept for adoption", c.name, len(kept))
             except Exception as exc:  # the pool fences on lease expiry anyway; adoption then waits for it
                 log.warning("could not fence %s at once: %s", c.name, exc)
-        self._notices.send(protocol.encode(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1)))
+        self._notify(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1))
         # At once when the replacement maps the node's weight store (imports and a warm-up, no model to
         # load); else a little later: loading a model takes both cores for seconds, and the takeover
         # needs them now. Not at all when stopping.
@@ -378,16 +420,18 @@ class Launcher:
         now = time.monotonic()
         for due in [d for d in self._respawn_at if d[0] <= now]:
             self._respawn_at.remove(due)
-            new_id = self.next_worker_id
+            new_id = self._take_worker_id()
             address = self._spawn_worker(new_id, WorkerRole.STANDBY, due[1])
-            self._notices.send(protocol.encode(WorkerJoined(new_id, address, WorkerRole.STANDBY)))
+            self._notify(WorkerJoined(new_id, address, WorkerRole.STANDBY))
             started.append(self.children[-1])
         return started
 
     def _requested(self) -> list[Child]:
         """Workers the router asked for (a rollout's replacements): started like the one named, each
         announced with WorkerJoined. A malformed request or one naming no live worker is dropped."""
-        started = []
+        started: list[Child] = []
+        if self.role is PartRole.ROUTER:
+            return started  # (its nodes' supervisors start workers)
         while True:
             try:
                 data = self._requests.recv(zmq.NOBLOCK)
@@ -403,10 +447,10 @@ class Launcher:
                 continue
             if not started:
                 started += self._renew_zygote()
-            new_id, role = self.next_worker_id, self.role_of[ask.like]
+            new_id, role = self._take_worker_id(), self.role_of[ask.like]
             address = self._spawn_worker(new_id, role, self.node_of[ask.like], fresh=True)
             log.info("started worker %d (%s) to replace worker %d", new_id, role, ask.like)
-            self._notices.send(protocol.encode(WorkerJoined(new_id, address, role, ask.like)))
+            self._notify(WorkerJoined(new_id, address, role, ask.like))
             started.append(self.children[-1])
 
     def _renew_zygote(self) -> list[Child]:
@@ -475,7 +519,8 @@ class Launcher:
                 if c.proc.poll() is not None and c.spec.kind is not ChildKind.ZYGOTE:  # (workers exec'd then)
                     raise StartupError(f"{c.name} exited with code {c.proc.returncode} during start-up")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                status = httpx.get(self.url + "/health", timeout=2.0).status_code
+                if status == 200 or self.role is PartRole.ROUTER:  # (a router part's workers join later)
                     return
             except httpx.HTTPError:
                 pass
@@ -585,6 +630,8 @@ class Launcher:
             (ChildKind.POOL, POOL_STOP_S),
         ):
             self._stop_all([c for c in self.children if c.spec.kind is kind], limit)
+            if kind is ChildKind.WORKER and self.cluster is not None:
+                self.cluster.close()  # a node leaves once its workers have (their leases released)
         for path in self.shared_files:
             Path(path).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)

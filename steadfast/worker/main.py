@@ -19,6 +19,7 @@ import time
 import torch
 import zmq
 
+from steadfast.cluster_keys import ClusterKeys, ClusterSide, guard
 from steadfast.config import Config, config_from_dict
 from steadfast.env import torch_threads, transfer_fault_source
 from steadfast.failpoints import stall
@@ -372,6 +373,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
     parser.add_argument("--device-arena", action="store_true", help="allocate a private arena in device memory")
     parser.add_argument("--pool", help="ZeroMQ address of the node's kvpool daemon")
     parser.add_argument("--role", type=WorkerRole, choices=list(WorkerRole), default=WorkerRole.MIXED)
+    parser.add_argument("--cluster-keys", default="", help="a node part's key file (router queues over TCP)")
     parser.add_argument("--weights-dir", default="", help="folder of the node's weight store (empty: load a copy)")
     parser.add_argument("--transfer-side", type=TransferSide, choices=list(TransferSide), help="KV wire role")
     parser.add_argument(
@@ -384,8 +386,11 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
     torch.set_num_threads(cfg.server.threads_per_worker or torch_threads(cfg.server.computing_workers))
 
     ctx = zmq.Context()
-    outbox = WorkerOutbox(ctx, args.output)
-    inbox = WorkerInbox(ctx, args.input)
+    keys = ClusterKeys.load(args.cluster_keys, ClusterSide.NODE) if args.cluster_keys else None
+    if keys is not None:
+        guard(ctx, keys)  # (before the inbox binds; it lives as long as the process)
+    outbox = WorkerOutbox(ctx, args.output, keys)
+    inbox = WorkerInbox(ctx, args.input, keys)
     loop = WorkerLoop(cfg, args.worker_id, inbox, outbox, args.role)
 
     def on_term(signum: int, frame: object) -> None:

@@ -89,7 +89,7 @@ def write_deployment_keys(directory: Path) -> dict[TransferSide, Path]:
     return paths
 
 
-class _Allowed:
+class AllowedKeys:
     """The ZAP handler's question "may this client key in?", answered from the deployment's keys."""
 
     def __init__(self, keys: tuple[bytes, ...]) -> None:
@@ -107,7 +107,7 @@ def serve(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
         raise ValueError(f"a receiver needs the receiving side's keys, got the {keys.side} side's")
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_Allowed(keys.peers))
+    auth.configure_curve_callback(domain="*", credentials_provider=AllowedKeys(keys.peers))
     return auth
 
 

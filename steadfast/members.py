@@ -1,0 +1,218 @@
+"""Who is in a deployment spread over hosts (`serve --role router|node --join etcd://...`): the records
+its parts keep in etcd, under the join URL's prefix P.
+
+    P/members/router         where the router takes workers' outputs (RouterRecord)
+    P/members/nodes/{name}   a node: its ledger and live workers (NodeRecord), attached to the node's etcd
+                             lease: when the node stops answering, etcd's clock removes it
+    P/members/worker_ids     the next free worker id (ids are unique across the deployment)
+    P/nodes/{name}/...       that node's ledger (`node_ledger_url`)
+
+The router polls the nodes' records (control/membership.py); a node rewrites its record as its workers
+start and die (`NodeMembership`). Values are msgspec JSON, readable with `etcdctl get`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+import msgspec
+
+from steadfast import env
+from steadfast.kv.etcd_client import Compare, EtcdClient, EtcdError, Put, Result, Target
+from steadfast.kv.ledger_address import etcd_address
+from steadfast.kv.ledger_url import sibling_ledger_url
+from steadfast.protocol import WorkerRole
+
+log = logging.getLogger("steadfast.members")
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
+GONE_KEPT = 32  # deaths a node's record remembers (the router reads their exit codes)
+MAX_RECORD_BYTES = 1 << 20  # a record larger than this is not one of ours: ignored
+
+
+class MembershipError(RuntimeError):
+    """The deployment's records say no: a node name taken, a join URL that is not etcd's."""
+
+
+class RouterRecord(msgspec.Struct, forbid_unknown_fields=False):
+    outputs: str  # tcp://host:port the workers connect their outputs to
+    pid: int = 0
+
+
+class WorkerEntry(msgspec.Struct):
+    worker_id: int
+    address: str  # tcp://host:port its input listens on
+    role: WorkerRole
+    pid: int = 0
+    like: int = -1  # the worker it replaces (a rollout), else -1
+
+
+class Gone(msgspec.Struct):
+    worker_id: int
+    pid: int
+    exit_code: int  # 0: retired (no fencing); else died and fenced by its node
+
+
+class NodeRecord(msgspec.Struct):
+    name: str
+    ledger_url: str
+    workers: list[WorkerEntry] = []
+    gone: list[Gone] = []
+
+
+def check_node_name(name: str) -> str:
+    if NODE_NAME.match(name) is None:
+        raise MembershipError(f"node name {name!r}: use letters, digits, '_', '.', '-' (up to 63, first alphanumeric)")
+    return name
+
+
+class Members:
+    """The deployment's records in the etcd cluster a join URL names."""
+
+    def __init__(self, join_url: str, timeout_s: float = 5.0) -> None:
+        address = etcd_address(join_url)
+        if address is None:
+            raise MembershipError(f"--join {join_url!r}: parts join through etcd (etcd://host:port,.../prefix)")
+        endpoints, self.prefix, user = address
+        self.join_url = join_url
+        self.etcd = EtcdClient(endpoints, timeout_s=timeout_s, user=user, password=env.etcd_password() if user else "")
+        self._router_key = f"{self.prefix}/members/router".encode()
+        self._nodes = f"{self.prefix}/members/nodes/".encode()
+        self._ids = f"{self.prefix}/members/worker_ids".encode()
+
+    def close(self) -> None:
+        self.etcd.close()
+
+    def node_key(self, name: str) -> bytes:
+        return self._nodes + check_node_name(name).encode()
+
+    def node_ledger_url(self, name: str) -> str:
+        return sibling_ledger_url(self.join_url, f"/nodes/{check_node_name(name)}")
+
+    def publish_router(self, record: RouterRecord) -> None:
+        self.etcd.put(self._router_key, msgspec.json.encode(record))
+
+    def router(self) -> RouterRecord | None:
+        kvs = self.etcd.get(self._router_key)
+        if not kvs:
+            return None
+        return msgspec.json.decode(kvs[0].value, type=RouterRecord)
+
+    def nodes(self) -> dict[str, NodeRecord]:
+        """Every node whose record is there now (a malformed record is logged and skipped)."""
+        out = {}
+        for kv in self.etcd.get(self._nodes, prefix=True):
+            name = kv.key[len(self._nodes) :].decode(errors="replace")
+            try:
+                if len(kv.value) > MAX_RECORD_BYTES:
+                    raise msgspec.DecodeError(f"{len(kv.value)} bytes")
+                record = msgspec.json.decode(kv.value, type=NodeRecord)
+            except msgspec.DecodeError as exc:
+                log.warning("ignored node %r's malformed record: %s", name, exc)
+                continue
+            if record.name == name:
+                out[name] = record
+        return out
+
+    def reserve_worker_ids(self, count: int) -> int:
+        """The first of `count` worker ids no other part has or will have (a compare-and-swap on a counter)."""
+        while True:
+            kvs = self.etcd.get(self._ids)
+            first = int(kvs[0].value) if kvs else 0
+            revision = kvs[0].mod_revision if kvs else 0
+            result = self.etcd.txn(
+                [Compare(self._ids, Target.MOD, Result.EQUAL, revision)], [Put(self._ids, str(first + count).encode())]
+            )
+            if result.succeeded:
+                return first
+
+
+class NodeMembership:
+    """A node's record, attached to an etcd lease this node keeps alive (`start`), rewritten as its
+    workers come and go. When the node cannot renew in time (stopped, cut off, its host gone), etcd ends
+    the lease and the record with it: the router fences the node's workers and moves their requests. If
+    the node comes back it registers again under a new lease with the workers it has then (the router
+    never takes back a worker it declared dead)."""
+
+    def __init__(self, members: Members, name: str, ttl_s: int) -> None:
+        self.members = members
+        self.name = check_node_name(name)
+        self.key = members.node_key(name)
+        self.ttl_s = max(2, ttl_s)
+        self.record = NodeRecord(name, members.node_ledger_url(name))
+        self.lease = 0
+        self.lapses = 0  # times this node's record was found gone (it was taken for dead)
+        self._dirty = False  # the last write failed: the keeper writes the record again
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def join(self) -> None:
+        """Register; MembershipError if a live node of this name is registered already."""
+        with self._lock:
+            self._register()
+        self._thread = threading.Thread(target=self._keep, name="node-membership", daemon=True)
+        self._thread.start()
+
+    def _register(self) -> None:
+        self.lease, _ = self.members.etcd.lease_grant(self.ttl_s)
+        created = self.members.etcd.txn(
+            [Compare(self.key, Target.CREATE, Result.EQUAL, 0)],
+            [Put(self.key, msgspec.json.encode(self.record), self.lease)],
+        )
+        if not created.succeeded:
+            self.members.etcd.lease_revoke(self.lease)
+            raise MembershipError(f"a node named {self.name!r} is registered and alive already")
+
+    def joined(self, entry: WorkerEntry) -> None:
+        with self._lock:
+            self.record.workers.append(entry)
+            self._write()
+
+    def died(self, gone: Gone) -> None:
+        with self._lock:
+            self.record.workers = [w for w in self.record.workers if w.worker_id != gone.worker_id]
+            self.record.gone = [*self.record.gone, gone][-GONE_KEPT:]
+            self._write()
+
+    def _write(self) -> None:
+        self._dirty = True
+        try:
+            self.members.etcd.txn(
+                [Compare(self.key, Target.LEASE, Result.EQUAL, self.lease)],
+                [Put(self.key, msgspec.json.encode(self.record), self.lease)],
+            )
+            self._dirty = False
+        except EtcdError as exc:  # the keeper writes it again once etcd answers
+            log.warning("could not update node %s's record: %s", self.name, exc)
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                with self._lock:
+                    if self.members.etcd.lease_keepalive(self.lease) > 0:
+                        if self._dirty:
+                            self._write()
+                        continue
+                    self.lapses += 1
+                    log.error(
+                        "node %s's membership lapsed (it did not renew within %d s): its workers were fenced;"
+                        " registering again",
+                        self.name,
+                        self.ttl_s,
+                    )
+                    self._register()
+            except (EtcdError, MembershipError) as exc:
+                log.warning("node %s's membership not renewed: %s", self.name, exc)
+
+    def leave(self) -> None:
+        """Stop renewing and remove the record now (a stop in order: the workers retired first)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.members.etcd.lease_revoke(self.lease)
+        except EtcdError as exc:
+            log.warning("node %s's record not removed (it ends with its lease): %s", self.name, exc)

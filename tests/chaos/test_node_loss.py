@@ -1,0 +1,148 @@
+"""A node lost across hosts (issue 22): a router part and two node parts, each in a network namespace of
+its own ("hosts", tests/hosts.py), their ledgers and their records in a 3-member etcd cluster, the router
+and the workers talking over TCP with CURVE. While a stream decodes on one node, that node is lost past
+its lease — its whole host frozen (SIGSTOP to every process it runs), or cut off the network (its link
+taken down) — and the router must fence the node's workers in its ledger and resume the stream on the
+other node: the client must receive exactly the tokens an undisturbed run gives. When the host comes
+back, none of its old workers' writes may be accepted — checked on the recorded history of every
+process's ledger calls — and the node joins again with new workers. The first test also kills the etcd
+leader while the stream runs: nothing may be lost.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from steadfast.kv.history import check_history, load_journal
+from tests.deployment import Deployment
+from tests.integration.test_migration import LONG, reference, stream
+
+pytestmark = pytest.mark.chaos
+
+CONFIG = (
+    "model: {dtype: bfloat16, deterministic: true, device: cpu}\n"
+    "cache: {kv_memory_mb: 64}\n"
+    "server: {workers: 1, standby_workers: 1, threads_per_worker: 1}\n"
+    # A node whose supervisor does not renew within 2 s is taken for lost (the lease TTL on etcd's clock).
+    "fault_recovery: {lease: {renew_interval_ms: 300, lease_timeout_ms: 2000}}\n"
+)
+
+
+@pytest.fixture
+def want(small_deterministic_config, small_deterministic_model) -> dict[int, list[int]]:
+    return reference(small_deterministic_config, small_deterministic_model)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, small_model_path):
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd (Debian etcd-server) is not installed")
+    tmp = tmp_path_factory.mktemp("node-loss")
+    journal = tmp / "journal"  # every process's ledger calls, for the history checker
+    journal.mkdir()
+    d = Deployment(tmp, small_model_path, CONFIG, env={"STEADFAST_LEDGER_JOURNAL": str(journal)})
+    d.journal = journal
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
+def lose_a_node(
+    deployment: Deployment, i: int, lose: Callable[[str], None], before: Callable[[int], None] = lambda n: None
+) -> tuple[list[int], dict]:
+    """Stream `body(i)`; once its client has 16 tokens, `lose(host)` the node decoding it (`before(n)` at
+    each token until then). Returns the client's tokens, and the owner (its /admin/workers row) and host."""
+    seen: dict = {}
+
+    def at_token(rid: str, n: int) -> None:
+        before(n)
+        if n == 16:
+            owner = next(w for w in deployment.workers() if w["in_flight"])
+            seen.update(owner=owner, host=deployment.host_of(owner["pid"]))
+            lose(seen["host"])
+
+    _, got, _, finish = stream(deployment, i, at_token, LONG)
+    assert finish == "length"
+    return got, seen
+
+
+def check_moved(deployment: Deployment, seen: dict, before: dict[int, dict]) -> None:
+    """The move really happened: off the lost node's worker, onto a worker of the other node, by rebuild."""
+    owner = seen["owner"]
+    takeover = next(t for t in reversed(deployment.admin("/admin/takeovers")) if t["from_worker"] == owner["id"])
+    assert before[takeover["to_worker"]]["node"] != owner["node"] and takeover["route"] == "rebuild", takeover
+    assert f"node {seen['host']}'s membership lapsed" in deployment.log("router")
+
+
+def check_comes_back_fenced(deployment: Deployment, seen: dict, before: dict[int, dict]) -> None:
+    """The host is back: its old workers end (fenced by the router in its ledger), the node registers again
+    with new workers; in its ledger's recorded history each old worker was fenced and nothing of theirs
+    was accepted after that, and the history is consistent."""
+    node = seen["owner"]["node"]
+    old = {w["id"] for w in before.values() if w["node"] == node}
+    deployment.wait(
+        lambda: {w["id"] for w in deployment.workers() if w["node"] == node} - old,
+        60,
+        f"node {seen['host']} to come back with new workers",
+    )
+    threading.Event().wait(1.0)  # (its old workers' last calls, if any, reach the journal)
+    history = load_journal(deployment.journal, store=deployment.node_ledger_url(seen["host"]))
+    names = {f"worker{i}" for i in old}
+    fences = {op.args[0]: op.seq for op in history if op.name == "fence" and op.ok and op.args[0] in names}
+    assert set(fences) == names, (fences, names)
+    late = [op for op in history if op.ok and op.args and str(op.args[0]) in names and op.seq > fences[op.args[0]]]
+    assert [op for op in late if op.name not in ("fence", "fence_dead", "reclaim")] == []
+    assert check_history(history) == []
+    for host in deployment.nodes:
+        assert check_history(load_journal(deployment.journal, store=deployment.node_ledger_url(host))) == []
+
+
+def test_a_node_stopped_past_its_lease_is_fenced_and_its_stream_finishes_on_another(deployment, want):
+    assert deployment.etcd is not None
+    before = {w["id"]: w for w in deployment.workers()}
+    frozen: list[int] = []
+
+    def freeze(host: str) -> None:
+        frozen.extend(deployment.stop_host(host))
+
+    def kill_leader(n: int) -> None:
+        if n == 4:  # under load: the etcd leader killed (every ledger and record lives there)
+            deployment.etcd.kill(deployment.etcd.wait_leader())
+
+    try:
+        got, seen = lose_a_node(deployment, 0, freeze, kill_leader)
+    finally:
+        deployment.continue_host(frozen)
+    assert sum(m.proc.poll() is None for m in deployment.etcd.members) == 2  # the leader was killed
+    assert got == want[0]  # every token once, in order, the same as undisturbed
+    check_moved(deployment, seen, before)
+    check_comes_back_fenced(deployment, seen, before)
+
+
+def test_a_node_cut_off_the_network_is_fenced_and_its_stream_finishes_on_another(deployment, want):
+    """The node runs on, unreachable (its link down): etcd ends its lease; when the link comes back its
+    workers find themselves fenced (and whatever they send the router is not theirs to send any more)."""
+    assert deployment.hosts is not None
+    if deployment.hosts.why_not:
+        pytest.skip(f"no network namespaces to cut: {deployment.hosts.why_not}")
+    deployment.wait(deployment.ready, 60, "the deployment ready again")
+    before = {w["id"]: w for w in deployment.workers()}
+    cut: list[str] = []
+
+    def cut_off(host: str) -> None:
+        deployment.hosts.cut(host)
+        cut.append(host)
+
+    try:
+        got, seen = lose_a_node(deployment, 1, cut_off)  # (seeded sampling)
+    finally:
+        for host in cut:
+            deployment.hosts.cut(host, off=False)
+    assert got == want[1]
+    check_moved(deployment, seen, before)
+    check_comes_back_fenced(deployment, seen, before)
