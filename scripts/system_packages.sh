@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Debian packages the test suite needs beyond Python: Chromium for the dashboard's browser test, etcd
-# (etcd-server) for the etcd client's tests on a 3-member loopback cluster.
+# (etcd-server) for the etcd client's tests on a 3-member loopback cluster, iproute2 (`ip netns`) for the
+# deployment-over-hosts tests' network namespaces.
 # Installed when missing and this user may (root, or sudo without a password); otherwise said, and the
 # browser test skips with its reason. Idempotent: nothing to do when they are there.
 set -euo pipefail
 want=()
 command -v chromium >/dev/null 2>&1 || want+=(chromium)
 command -v etcd >/dev/null 2>&1 || want+=(etcd-server)
+command -v ip >/dev/null 2>&1 || want+=(iproute2)
 [ ${#want[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -eq 0 ]; then
     as=()

@@ -10,10 +10,13 @@ listen there, and the tests' clients reach the hosts from there.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+
+_made = itertools.count()  # several sets of hosts in one process: each its own names and subnet
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -23,11 +26,15 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
 @dataclass
 class Hosts:
     names: list[str]
-    tag: str = field(default_factory=lambda: f"sf{os.getpid() % 100000}")
+    serial: int = field(default_factory=lambda: next(_made))
     address: dict[str, str] = field(default_factory=dict)
     why_not: str = ""  # why these hosts share loopback instead (empty: namespaces)
     gateway: str = "127.0.0.1"
     _made: list[str] = field(default_factory=list)
+
+    @property
+    def tag(self) -> str:
+        return f"sf{os.getpid() % 100000}{chr(97 + self.serial % 26)}"
 
     @property
     def bridge(self) -> str:
@@ -42,7 +49,11 @@ class Hosts:
             self.address = dict.fromkeys(self.names, "127.0.0.1")
             return self
         pid = os.getpid()
-        net = f"10.{200 + pid % 50}.{(pid // 50) % 250}"
+        routes = _ip("-4", "route").stdout + _ip("-4", "addr").stdout
+        for k in range(50):  # a /24 this machine does not route already
+            net = f"10.{200 + (pid + self.serial + k) % 50}.{(pid // 50) % 250}"
+            if f"{net}." not in routes:
+                break
         self.gateway = f"{net}.1"
         try:
             self._run("link", "add", self.bridge, "type", "bridge")

@@ -243,6 +243,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
                 "adopted_tokens": t.adopted_tokens,
                 "recomputed_tokens": t.recomputed_tokens,
                 "first_token_ms": None if t.first_token_s is None else 1000 * t.first_token_s,
+                "at": t.wall,  # when it was moved (Unix time)
             }
             for t in ctx.client.takeovers
         ]
