@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 
 import msgspec
 
@@ -30,6 +31,9 @@ log = logging.getLogger("steadfast.members")
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 GONE_KEPT = 32  # deaths a node's record remembers (the router reads their exit codes)
 MAX_RECORD_BYTES = 1 << 20  # a record larger than this is not one of ours: ignored
+# A node leaving keeps its last record (its workers retired) this long before removing it, so that the
+# router, polling every 0.25 s, reads how each worker ended rather than a node gone with its workers.
+LEAVE_GRACE_S = 1.0
 
 
 class MembershipError(RuntimeError):
@@ -212,6 +216,8 @@ class NodeMembership:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.record.gone:
+            time.sleep(LEAVE_GRACE_S)
         try:
             self.members.etcd.lease_revoke(self.lease)
         except EtcdError as exc:

@@ -488,6 +488,11 @@ class EngineClient:
             raise MigrationError(f"request {request_id} is migrating already", 409)
         if to is None:
             target = self.migrations.target(flight, source)
+            if target is None and reason is MigrationReason.DRAIN:
+                # A drain with no worker left to take its requests: a standby steps in (its node's first).
+                target = self.placement.standby(source.node)
+                if target is not None:
+                    await self._promote(target, source.role if source.role in MIGRATION_ROLES else WorkerRole.MIXED)
             if target is None:
                 raise MigrationError(f"no other worker can take request {request_id} (ready, with room)", 409)
         else:
@@ -503,8 +508,8 @@ class EngineClient:
         paths: list[str] = []
         if target.node != source.node:
             paths = list(target.status.kv_addresses) if target.status is not None else []
-            if not paths:
-                raise MigrationError(f"worker {target.worker_id} is on another node and receives no KV", 409)
+            if not paths:  # no KV wire to that node (parts on several hosts): it computes the request again
+                return await self._recompute_at(flight, source, target, reason)
         record = self.migrations.begin(flight, source.worker_id, target.worker_id, reason)
         cfg = self.migrations.cfg
         ask = Migrate(

@@ -98,6 +98,9 @@ class Membership:
         except (LedgerError, OSError) as exc:
             log.warning("node %s is gone but its ledger did not answer (fenced next round): %s", record.name, exc)
             return False
+        if not record.workers and not fenced:
+            log.info("node %s left", record.name)  # (its workers retired first, releasing their leases)
+            return True
         log.error(
             "node %s's membership lapsed: fenced %s; its %d worker(s)' requests move to other nodes",
             record.name,

@@ -629,9 +629,13 @@ class Launcher:
             (ChildKind.WORKER, WORKER_STOP_S),
             (ChildKind.POOL, POOL_STOP_S),
         ):
-            self._stop_all([c for c in self.children if c.spec.kind is kind], limit)
+            stopped = [c for c in self.children if c.spec.kind is kind]
+            self._stop_all(stopped, limit)
             if kind is ChildKind.WORKER and self.cluster is not None:
-                self.cluster.close()  # a node leaves once its workers have (their leases released)
+                # A node leaves once its workers have (their leases released), saying how each ended.
+                for c in stopped if self.cluster.membership is not None else ():
+                    self._notify(WorkerDied(c.spec.worker_id, c.proc.pid, c.proc.returncode or 0))
+                self.cluster.close()
         for path in self.shared_files:
             Path(path).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -146,3 +146,30 @@ def test_a_node_cut_off_the_network_is_fenced_and_its_stream_finishes_on_another
     assert got == want[1]
     check_moved(deployment, seen, before)
     check_comes_back_fenced(deployment, seen, before)
+
+
+def test_a_node_part_stopped_in_order_hands_its_stream_on_and_leaves(deployment):
+    """SIGTERM to a node part while a stream decodes there (the last test: the node stays gone): its
+    workers drain — the stream moves to the other node (a standby there promoted if it has no serving
+    worker), computed again there: there is no KV wire between hosts — and retire; the node leaves
+    without being fenced (nothing was lost), and the client's tokens are those of an undisturbed run."""
+    deployment.wait(deployment.ready, 60, "the deployment ready again")
+    tokens = 1500  # still decoding when the drain comes (the server runs well ahead of its client)
+    _, undisturbed, _, _ = stream(deployment, 0, None, tokens)
+    seen: dict = {}
+
+    def at_token(rid: str, n: int) -> None:
+        if n == 16:
+            owner = next(w for w in deployment.workers() if w["in_flight"])
+            seen.update(owner=owner, host=deployment.host_of(owner["pid"]))
+            seen["part"] = deployment.parts.pop(seen["host"])
+            seen["part"].terminate()
+
+    _, got, _, finish = stream(deployment, 0, at_token, tokens)
+    assert finish == "length" and got == undisturbed
+    assert seen["part"].wait(timeout=60) == 0
+    deployment.wait(lambda: f"node {seen['host']} left" in deployment.log("router"), 10, "the router to see it leave")
+    moved = [m for m in deployment.admin("/admin/migrations") if m["from_worker"] == seen["owner"]["id"]]
+    assert [(m["reason"], m["path"], m["outcome"]) for m in moved] == [("drain", "recompute", "committed")], moved
+    log = deployment.log("router").split(f"draining worker {seen['owner']['id']}")[-1]
+    assert "membership lapsed" not in log and f"worker {seen['owner']['id']} (pid" in log  # retired, not died
