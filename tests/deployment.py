@@ -37,6 +37,7 @@ class Deployment:
     etcd: EtcdCluster | None = None
     parts: dict[str, subprocess.Popen] = field(default_factory=dict)
     url: str = ""
+    journal: Path | None = None  # where env's STEADFAST_LEDGER_JOURNAL points, when it does
 
     def start(self, timeout_s: float = 120.0) -> Deployment:
         self.hosts = Hosts(["router", *self.nodes]).start()

@@ -58,6 +58,8 @@ class ClusterPart:
         """Check the part's arguments and config; ConfigError naming what is wrong."""
         if not (join and keys and advertise):
             raise ConfigError(f"--role {role} needs --join etcd://..., --cluster-keys DIR and --advertise HOST")
+        if advertise in ("0.0.0.0", "::", "*"):
+            raise ConfigError(f"--advertise {advertise}: give the address the other hosts reach this one at")
         side = ClusterSide.ROUTER if role is PartRole.ROUTER else ClusterSide.NODE
         path = Path(keys) / f"{side}.keys" if Path(keys).is_dir() else Path(keys)
         try:

@@ -44,8 +44,7 @@ def deployment(tmp_path_factory, small_model_path):
     tmp = tmp_path_factory.mktemp("node-loss")
     journal = tmp / "journal"  # every process's ledger calls, for the history checker
     journal.mkdir()
-    d = Deployment(tmp, small_model_path, CONFIG, env={"STEADFAST_LEDGER_JOURNAL": str(journal)})
-    d.journal = journal
+    d = Deployment(tmp, small_model_path, CONFIG, env={"STEADFAST_LEDGER_JOURNAL": str(journal)}, journal=journal)
     try:
         yield d.start()
     finally:
