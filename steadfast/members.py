@@ -134,11 +134,14 @@ class Members:
 
 
 class NodeMembership:
-    """A node's record, attached to an etcd lease this node keeps alive (`start`), rewritten as its
+    """A node's record, attached to an etcd lease this node keeps alive (`join`), rewritten as its
     workers come and go. When the node cannot renew in time (stopped, cut off, its host gone), etcd ends
     the lease and the record with it: the router fences the node's workers and moves their requests. If
     the node comes back it registers again under a new lease with the workers it has then (the router
-    never takes back a worker it declared dead)."""
+    never takes back a worker it declared dead).
+
+    After `join`, only the keeper thread talks to etcd: `joined` and `died` change the record and wake it,
+    so the supervisor that calls them never waits for etcd (which may be unreachable for seconds)."""
 
     def __init__(self, members: Members, name: str, ttl_s: int) -> None:
         self.members = members
@@ -148,23 +151,24 @@ class NodeMembership:
         self.record = NodeRecord(name, members.node_ledger_url(name))
         self.lease = 0
         self.lapses = 0  # times this node's record was found gone (it was taken for dead)
-        self._dirty = False  # the last write failed: the keeper writes the record again
-        self._lock = threading.Lock()
+        self._dirty = False  # the record changed since etcd last took it
+        self._lock = threading.Lock()  # the record and _dirty
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def join(self) -> None:
         """Register; MembershipError if a live node of this name is registered already."""
-        with self._lock:
-            self._register()
+        self._register()
         self._thread = threading.Thread(target=self._keep, name="node-membership", daemon=True)
         self._thread.start()
 
     def _register(self) -> None:
         self.lease, _ = self.members.etcd.lease_grant(self.ttl_s)
+        with self._lock:
+            data, self._dirty = msgspec.json.encode(self.record), False
         created = self.members.etcd.txn(
-            [Compare(self.key, Target.CREATE, Result.EQUAL, 0)],
-            [Put(self.key, msgspec.json.encode(self.record), self.lease)],
+            [Compare(self.key, Target.CREATE, Result.EQUAL, 0)], [Put(self.key, data, self.lease)]
         )
         if not created.succeeded:
             self.members.etcd.lease_revoke(self.lease)
@@ -173,52 +177,66 @@ class NodeMembership:
     def joined(self, entry: WorkerEntry) -> None:
         with self._lock:
             self.record.workers.append(entry)
-            self._write()
+            self._dirty = True
+        self._wake.set()
 
     def died(self, gone: Gone) -> None:
         with self._lock:
             self.record.workers = [w for w in self.record.workers if w.worker_id != gone.worker_id]
             self.record.gone = [*self.record.gone, gone][-GONE_KEPT:]
-            self._write()
+            self._dirty = True
+        self._wake.set()
 
     def _write(self) -> None:
-        self._dirty = True
+        """The record as it is now, if it changed, into etcd (under this node's lease only)."""
+        with self._lock:
+            if not self._dirty:
+                return
+            data, self._dirty = msgspec.json.encode(self.record), False
         try:
             self.members.etcd.txn(
-                [Compare(self.key, Target.LEASE, Result.EQUAL, self.lease)],
-                [Put(self.key, msgspec.json.encode(self.record), self.lease)],
+                [Compare(self.key, Target.LEASE, Result.EQUAL, self.lease)], [Put(self.key, data, self.lease)]
             )
-            self._dirty = False
-        except EtcdError as exc:  # the keeper writes it again once etcd answers
-            log.warning("could not update node %s's record: %s", self.name, exc)
+        except EtcdError:
+            with self._lock:
+                self._dirty = True  # written again on the next round
+            raise
 
     def _keep(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        renew_at = time.monotonic() + self.ttl_s / 3
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, renew_at - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                with self._lock:
-                    if self.members.etcd.lease_keepalive(self.lease) > 0:
-                        if self._dirty:
-                            self._write()
+                if time.monotonic() >= renew_at:
+                    renew_at = time.monotonic() + self.ttl_s / 3
+                    if self.members.etcd.lease_keepalive(self.lease) <= 0:
+                        self.lapses += 1
+                        log.error(
+                            "node %s's membership lapsed (it did not renew within %d s): its workers were"
+                            " fenced; registering again",
+                            self.name,
+                            self.ttl_s,
+                        )
+                        self._register()
                         continue
-                    self.lapses += 1
-                    log.error(
-                        "node %s's membership lapsed (it did not renew within %d s): its workers were fenced;"
-                        " registering again",
-                        self.name,
-                        self.ttl_s,
-                    )
-                    self._register()
+                self._write()
             except (EtcdError, MembershipError) as exc:
-                log.warning("node %s's membership not renewed: %s", self.name, exc)
+                log.warning("node %s's membership not renewed or written: %s", self.name, exc)
+                renew_at = min(renew_at, time.monotonic() + 0.5)  # try again soon
 
     def leave(self) -> None:
-        """Stop renewing and remove the record now (a stop in order: the workers retired first)."""
+        """Stop renewing, write how the last workers ended, and remove the record (a stop in order)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self.record.gone:
-            time.sleep(LEAVE_GRACE_S)
+            self._thread.join(timeout=10)
         try:
+            self._write()
+            if self.record.gone:
+                time.sleep(LEAVE_GRACE_S)
             self.members.etcd.lease_revoke(self.lease)
         except EtcdError as exc:
             log.warning("node %s's record not removed (it ends with its lease): %s", self.name, exc)
