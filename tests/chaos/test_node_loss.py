@@ -11,13 +11,19 @@ leader while the stream runs: nothing may be lost.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
+import httpx
 import pytest
 
 from steadfast.kv.history import check_history, load_journal
+from tests.chaos.test_crash_recovery import request_specs
+from tests.chaos.test_router_restart import ResumingStream
 from tests.deployment import Deployment
 from tests.integration.test_migration import LONG, reference, stream
 
@@ -145,6 +151,34 @@ def test_a_node_cut_off_the_network_is_fenced_and_its_stream_finishes_on_another
     assert got == want[1]
     check_moved(deployment, seen, before)
     check_comes_back_fenced(deployment, seen, before)
+
+
+def test_the_router_part_killed_mid_stream_its_clients_resume_on_the_restarted_one(deployment):
+    """The router process of the router part killed (SIGKILL) mid-stream: its launcher starts it again,
+    it learns the nodes' workers from etcd and a client that reconnects with Last-Event-ID gets the rest
+    of its stream, every token once, as an undisturbed run's."""
+    model = httpx.get(deployment.url + "/v1/models").json()["data"][0]["id"]
+    spec = request_specs()[1]  # seeded sampling
+    undisturbed = ResumingStream(deployment.url, model, spec)
+    undisturbed.start()
+    undisturbed.join(120)
+    (router,) = [p for p in deployment.pids("router") if b"steadfast.control.main" in _cmdline(p)]
+    client = ResumingStream(deployment.url, model, spec)
+    client.start()
+    deployment.wait(lambda: len(client.tokens) >= 16, 60, "16 tokens")
+    os.kill(router, signal.SIGKILL)
+    client.join(120)
+    assert client.error is None and client.finish == "length" and client.reconnects >= 1
+    assert client.counts == sorted(set(client.counts))  # no event twice
+    assert client.tokens == undisturbed.tokens and undisturbed.finish == "length"
+    assert "router (pid" in deployment.log("router") and "restarting it" in deployment.log("router")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_a_node_part_stopped_in_order_hands_its_stream_on_and_leaves(deployment):
