@@ -6,7 +6,8 @@ taken down) — and the router must fence the node's workers in its ledger and r
 other node: the client must receive exactly the tokens an undisturbed run gives. When the host comes
 back, none of its old workers' writes may be accepted — checked on the recorded history of every
 process's ledger calls — and the node joins again with new workers. The first test also kills the etcd
-leader while the stream runs: nothing may be lost.
+leader while the stream runs: nothing may be lost. Then the router process is killed (its clients resume
+with Last-Event-ID on the restarted one) and, last, a node part is stopped in order (its stream moves on).
 """
 
 from __future__ import annotations
