@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -27,6 +28,7 @@ from steadfast.protocol import WorkerDied, WorkerJoined
 log = logging.getLogger("steadfast.router.membership")
 
 POLL_S = 0.25
+TCP_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}\Z")  # where a node's worker listens
 LEDGER_WAIT_S = 2.0  # a fence's wait for the store; it is tried again next round
 
 
@@ -60,13 +62,16 @@ class Membership:
         for name, record in nodes.items():
             old = self.known.get(name)
             if old is None:
-                log.info("node %s joined (ledger %s)", name, record.ledger_url)
-                self._on_node(record.ledger_url)
+                log.info("node %s joined (ledger %s)", name, self.members.node_ledger_url(name))
+                self._on_node(self.members.node_ledger_url(name))
             before = {w.worker_id for w in old.workers} if old is not None else set()
             now = {w.worker_id for w in record.workers}
             codes = {g.worker_id: (g.pid, g.exit_code) for g in record.gone}
             for w in record.workers:
                 if w.worker_id not in before and w.worker_id not in self.dead:
+                    if TCP_ADDRESS.match(w.address) is None:
+                        log.warning("node %s lists worker %d at %r, not tcp://host:port", name, w.worker_id, w.address)
+                        continue
                     await self._notice(WorkerJoined(w.worker_id, w.address, w.role, w.like))
             for worker_id in sorted(before - now):
                 pid, code = codes.get(worker_id, (0, -1))
@@ -88,7 +93,8 @@ class Membership:
     def _fence_node(self, record: NodeRecord) -> bool:
         """Fence every active lease in a lost node's ledger; False if the store did not answer."""
         try:
-            ledger = open_ledger(record.ledger_url, timeout_s=LEDGER_WAIT_S)
+            # The ledger named after the node, never a URL a record supplies.
+            ledger = open_ledger(self.members.node_ledger_url(record.name), timeout_s=LEDGER_WAIT_S)
             try:
                 fenced = [lease.worker for lease in ledger.leases() if lease.state == LeaseState.ACTIVE]
                 for worker in fenced:

@@ -130,14 +130,17 @@ def test_the_router_fences_a_lost_nodes_workers_before_declaring_them_dead(membe
     w5, w6 = (WorkerEntry(i, f"tcp://h:{i}", WorkerRole.MIXED, 100 + i) for i in (5, 6))
 
     async def scenario() -> None:
-        await membership.apply({"n1": NodeRecord("n1", url, [w5, w6])})
+        # A record's ledger URL is not trusted (the node's ledger is named after it), nor an address that
+        # is not TCP (the router would connect to a local socket).
+        odd = WorkerEntry(8, "ipc:///tmp/elsewhere", WorkerRole.MIXED)
+        await membership.apply({"n1": NodeRecord("n1", "sqlite:///tmp/x.db", [w5, w6, odd])})
         assert news == [WorkerJoined(5, "tcp://h:5", WorkerRole.MIXED), WorkerJoined(6, "tcp://h:6", WorkerRole.MIXED)]
         news.clear()
-        await membership.apply({"n1": NodeRecord("n1", url, [w5], [Gone(6, 106, 3)])})
+        await membership.apply({"n1": NodeRecord("n1", url, [w5, odd], [Gone(6, 106, 3)])})
         assert news == [WorkerDied(6, 106, 3)]  # its node reaped and fenced it
         news.clear()
         await membership.apply({})  # the record gone: lost
-        assert news == [WorkerDied(5, 105, -1)]
+        assert news == [WorkerDied(5, 105, -1), WorkerDied(8, 0, -1)]  # (8 was never joined: ignored)
         assert ledger.lease("worker5").state == LeaseState.FENCED
         news.clear()
         await membership.apply({"n1": NodeRecord("n1", url, [w5])})  # back, listing its dead worker
