@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -34,8 +34,8 @@ class ClusterKeys:
 
     side: ClusterSide
     public: bytes
-    secret: bytes
-    peer: bytes
+    secret: bytes = field(repr=False)  # (never in a log line or a traceback)
+    peer: bytes = b""
 
     def to_json(self) -> str:
         keys = {"public": self.public, "secret": self.secret, "peer": self.peer}

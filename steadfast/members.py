@@ -13,6 +13,7 @@ start and die (`NodeMembership`). Values are msgspec JSON, readable with `etcdct
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -31,9 +32,14 @@ log = logging.getLogger("steadfast.members")
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 GONE_KEPT = 32  # deaths a node's record remembers (the router reads their exit codes)
 MAX_RECORD_BYTES = 1 << 20  # a record larger than this is not one of ours: ignored
+MAX_WORKERS = 1024  # workers a node's record may list (each is a socket in the router)
 # A node leaving keeps its last record (its workers retired) this long before removing it, so that the
 # router, polling every 0.25 s, reads how each worker ended rather than a node gone with its workers.
 LEAVE_GRACE_S = 1.0
+
+
+class _Lapsed(Exception):
+    """This node's lease is gone: its record with it."""
 
 
 class MembershipError(RuntimeError):
@@ -64,6 +70,9 @@ class NodeRecord(msgspec.Struct):
     ledger_url: str
     workers: list[WorkerEntry] = []
     gone: list[Gone] = []
+    # Which registration this is (the key's create revision, set when read, not written): a node that
+    # lapsed and registered again is another generation, and its earlier workers are dead.
+    generation: int = 0
 
 
 def check_node_name(name: str) -> str:
@@ -81,10 +90,16 @@ class Members:
             raise MembershipError(f"--join {join_url!r}: parts join through etcd (etcd://host:port,.../prefix)")
         endpoints, self.prefix, user = address
         self.join_url = join_url
-        self.etcd = EtcdClient(endpoints, timeout_s=timeout_s, user=user, password=env.etcd_password() if user else "")
+        self._client = (endpoints, timeout_s, user, env.etcd_password() if user else "")
+        self.etcd = self.new_client()
         self._router_key = f"{self.prefix}/members/router".encode()
         self._nodes = f"{self.prefix}/members/nodes/".encode()
         self._ids = f"{self.prefix}/members/worker_ids".encode()
+
+    def new_client(self) -> EtcdClient:
+        """A client of its own (for a thread: an `EtcdClient` is used by one thread at a time)."""
+        endpoints, timeout_s, user, password = self._client
+        return EtcdClient(endpoints, timeout_s=timeout_s, user=user, password=password)
 
     def close(self) -> None:
         self.etcd.close()
@@ -110,14 +125,17 @@ class Members:
         for kv in self.etcd.get(self._nodes, prefix=True):
             name = kv.key[len(self._nodes) :].decode(errors="replace")
             try:
+                check_node_name(name)
                 if len(kv.value) > MAX_RECORD_BYTES:
                     raise msgspec.DecodeError(f"{len(kv.value)} bytes")
                 record = msgspec.json.decode(kv.value, type=NodeRecord)
-            except msgspec.DecodeError as exc:
+                if record.name != name or len(record.workers) > MAX_WORKERS:
+                    raise msgspec.DecodeError(f"named {record.name!r}, {len(record.workers)} workers")
+            except (msgspec.DecodeError, MembershipError) as exc:
                 log.warning("ignored node %r's malformed record: %s", name, exc)
                 continue
-            if record.name == name:
-                out[name] = record
+            record.generation = kv.create_revision
+            out[name] = record
         return out
 
     def reserve_worker_ids(self, count: int) -> int:
@@ -145,6 +163,7 @@ class NodeMembership:
 
     def __init__(self, members: Members, name: str, ttl_s: int) -> None:
         self.members = members
+        self.etcd = members.new_client()  # the keeper's: the supervisor's thread uses `members.etcd`
         self.name = check_node_name(name)
         self.key = members.node_key(name)
         self.ttl_s = max(2, ttl_s)
@@ -158,21 +177,37 @@ class NodeMembership:
         self._thread: threading.Thread | None = None
 
     def join(self) -> None:
-        """Register; MembershipError if a live node of this name is registered already."""
-        self._register()
+        """Register; MembershipError if a live node of this name is still registered after one TTL (an
+        earlier run of this node, killed, leaves its record until its lease ends)."""
+        deadline = time.monotonic() + self.ttl_s + 1
+        while True:
+            try:
+                self._register()
+                break
+            except MembershipError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         self._thread = threading.Thread(target=self._keep, name="node-membership", daemon=True)
         self._thread.start()
 
     def _register(self) -> None:
-        self.lease, _ = self.members.etcd.lease_grant(self.ttl_s)
+        """A new lease and the record under it; on any failure no lease is left (`lease` 0: the keeper
+        registers again), so the node is never alive in etcd without its record."""
+        self.lease = 0
+        lease, _ = self.etcd.lease_grant(self.ttl_s)
         with self._lock:
             data, self._dirty = msgspec.json.encode(self.record), False
-        created = self.members.etcd.txn(
-            [Compare(self.key, Target.CREATE, Result.EQUAL, 0)], [Put(self.key, data, self.lease)]
-        )
+        try:
+            created = self.etcd.txn([Compare(self.key, Target.CREATE, Result.EQUAL, 0)], [Put(self.key, data, lease)])
+        except EtcdError:
+            with contextlib.suppress(EtcdError):
+                self.etcd.lease_revoke(lease)
+            raise
         if not created.succeeded:
-            self.members.etcd.lease_revoke(self.lease)
+            self.etcd.lease_revoke(lease)
             raise MembershipError(f"a node named {self.name!r} is registered and alive already")
+        self.lease = lease
 
     def joined(self, entry: WorkerEntry) -> None:
         with self._lock:
@@ -194,13 +229,18 @@ class NodeMembership:
                 return
             data, self._dirty = msgspec.json.encode(self.record), False
         try:
-            self.members.etcd.txn(
+            written = self.etcd.txn(
                 [Compare(self.key, Target.LEASE, Result.EQUAL, self.lease)], [Put(self.key, data, self.lease)]
-            )
+            ).succeeded
         except EtcdError:
-            with self._lock:
-                self._dirty = True  # written again on the next round
+            written = False
             raise
+        finally:
+            if not written:
+                with self._lock:
+                    self._dirty = True  # written again, by this round's registration or the next round
+        if not written:
+            raise _Lapsed
 
     def _keep(self) -> None:
         renew_at = time.monotonic() + self.ttl_s / 3
@@ -210,19 +250,24 @@ class NodeMembership:
             if self._stop.is_set():
                 return
             try:
+                if self.lease == 0:  # a registration that failed: again
+                    self._register()
+                    continue
                 if time.monotonic() >= renew_at:
                     renew_at = time.monotonic() + self.ttl_s / 3
-                    if self.members.etcd.lease_keepalive(self.lease) <= 0:
-                        self.lapses += 1
-                        log.error(
-                            "node %s's membership lapsed (it did not renew within %d s): its workers were"
-                            " fenced; registering again",
-                            self.name,
-                            self.ttl_s,
-                        )
-                        self._register()
-                        continue
+                    if self.etcd.lease_keepalive(self.lease) <= 0:
+                        raise _Lapsed
                 self._write()
+            except _Lapsed:
+                self.lapses += 1
+                log.error(
+                    "node %s's membership lapsed (it did not renew within %d s): its workers were fenced;"
+                    " registering again",
+                    self.name,
+                    self.ttl_s,
+                )
+                self.lease = 0
+                self._wake.set()
             except (EtcdError, MembershipError) as exc:
                 log.warning("node %s's membership not renewed or written: %s", self.name, exc)
                 renew_at = min(renew_at, time.monotonic() + 0.5)  # try again soon
@@ -234,9 +279,12 @@ class NodeMembership:
         if self._thread is not None:
             self._thread.join(timeout=10)
         try:
-            self._write()
-            if self.record.gone:
-                time.sleep(LEAVE_GRACE_S)
-            self.members.etcd.lease_revoke(self.lease)
-        except EtcdError as exc:
-            log.warning("node %s's record not removed (it ends with its lease): %s", self.name, exc)
+            if self.lease:
+                self._write()
+                if self.record.gone:
+                    time.sleep(LEAVE_GRACE_S)
+                self.etcd.lease_revoke(self.lease)
+        except (EtcdError, _Lapsed) as exc:
+            log.warning("node %s's record not removed (it ends with its lease): %r", self.name, exc)
+        finally:
+            self.etcd.close()

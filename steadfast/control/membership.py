@@ -50,17 +50,20 @@ class Membership:
     async def run(self) -> None:
         while True:
             try:
-                nodes = await asyncio.to_thread(self.members.nodes)
-            except Exception as exc:  # noqa: BLE001 - etcd unreachable: the known state stands, try again
-                log.warning("cannot read the nodes' records: %s", exc)
-            else:
-                await self.apply(nodes)
+                await self.apply(await asyncio.to_thread(self.members.nodes))
+            except Exception:  # noqa: BLE001 - etcd unreachable, or one round gone wrong: the next one
+                log.exception("the nodes' records not acted on this round")
             await asyncio.sleep(POLL_S)
 
     async def apply(self, nodes: dict[str, NodeRecord]) -> None:
         """Act on one reading of every node's record."""
         for name, record in nodes.items():
             old = self.known.get(name)
+            if old is not None and old.generation != record.generation:
+                # It lapsed and registered again between two readings: its earlier workers are lost.
+                if not await self._lose(old):
+                    continue  # (not fenced yet: next round)
+                old = None
             if old is None:
                 log.info("node %s joined (ledger %s)", name, self.members.node_ledger_url(name))
                 self._on_node(self.members.node_ledger_url(name))
@@ -78,11 +81,19 @@ class Membership:
                 await self._died(worker_id, pid, code)
             self.known[name] = record
         for name in [n for n in self.known if n not in nodes]:
-            if await asyncio.to_thread(self._fence_node, self.known[name]):
-                record = self.known.pop(name)
-                self.lost.append((name, time.time()))
-                for w in record.workers:
-                    await self._died(w.worker_id, w.pid, -1)
+            await self._lose(self.known[name])
+
+    async def _lose(self, record: NodeRecord) -> bool:
+        """A node's registration ended: fence what it held, then declare its workers dead; False when the
+        fence could not be made (nothing declared: again next round)."""
+        if not await asyncio.to_thread(self._fence_node, record):
+            return False
+        if self.known.get(record.name) is record:
+            del self.known[record.name]
+        self.lost.append((record.name, time.time()))
+        for w in record.workers:
+            await self._died(w.worker_id, w.pid, -1)
+        return True
 
     async def _died(self, worker_id: int, pid: int, code: int) -> None:
         if worker_id in self.dead:

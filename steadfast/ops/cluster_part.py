@@ -18,8 +18,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from steadfast.cluster_keys import ClusterKeys, ClusterSide
 from steadfast.config import Config, ConfigError
+from steadfast.kv.etcd_client import EtcdError
+from steadfast.kv.ledger import LedgerUrlError
 from steadfast.members import Gone, Members, MembershipError, NodeMembership, WorkerEntry
 from steadfast.protocol import WorkerDied, WorkerJoined
 
@@ -65,7 +69,7 @@ class ClusterPart:
         try:
             ClusterKeys.load(path, side)
             members = Members(join)
-        except (ValueError, MembershipError) as exc:
+        except (ValueError, MembershipError, LedgerUrlError) as exc:
             raise ConfigError(str(exc)) from None
         part = cls(role, members, str(path), advertise, outputs_port or cfg.server.port + 1)
         if role is PartRole.NODE:
@@ -100,7 +104,10 @@ class ClusterPart:
     def take_worker_id(self) -> int:
         """A worker id unique in the deployment: from a block this node reserved in etcd."""
         if self._ids[0] >= self._ids[1]:
-            first = self.members.reserve_worker_ids(ID_BLOCK)
+            try:
+                first = self.members.reserve_worker_ids(ID_BLOCK)
+            except (EtcdError, ValueError) as exc:
+                raise MembershipError(f"no worker id from etcd: {exc}") from None
             self._ids = [first, first + ID_BLOCK]
         self._ids[0] += 1
         return self._ids[0] - 1
@@ -109,7 +116,10 @@ class ClusterPart:
         """The router's output address, once it has published one."""
         deadline = time.monotonic() + timeout_s
         while True:
-            record = self.members.router()
+            try:
+                record = self.members.router()
+            except (EtcdError, msgspec.DecodeError) as exc:
+                raise MembershipError(f"cannot read the router's record at {self.members.join_url}: {exc}") from None
             if record is not None:
                 return record.outputs
             if time.monotonic() > deadline:

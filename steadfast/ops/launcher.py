@@ -38,11 +38,13 @@ import zmq
 from steadfast import env, protocol
 from steadfast.config import Config
 from steadfast.kv.arena_file import ArenaSpaceError, check_space, make_arena
+from steadfast.kv.etcd_client import EtcdError
 from steadfast.kv.ledger import LeaseState, Ledger, LedgerUnavailableError
 from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
 from steadfast.kv.moves.curve import CurveUnavailableError, TransferSide, write_deployment_keys
 from steadfast.kv.pool_client import PoolClient
 from steadfast.kv.spec import ArenaSpec, arena_spec
+from steadfast.members import MembershipError
 from steadfast.model.gguf_meta import open_gguf, read_config
 from steadfast.ops.arena_dir import ArenaDir
 from steadfast.ops.children import ArenaSource, ChildKind, ChildSpec, OnExit, pool_spec, router_spec, worker_spec
@@ -170,7 +172,10 @@ class Launcher:
             self._wait_healthy()
             return
         if self.cluster is not None:  # a node: its workers send to the router, wherever it runs
-            output = self.cluster.wait_router(cfg.server.startup_timeout_s)
+            try:
+                output = self.cluster.wait_router(cfg.server.startup_timeout_s)
+            except MembershipError as exc:
+                raise StartupError(str(exc)) from None
         srv = cfg.server
         # One arena per node, owned by its kvpool daemon, which grants blocks to the node's workers.
         pools = (2 if srv.decode_node == "separate" else 1) if cfg.fault_recovery.kv_cache.external_ledger else 0
@@ -202,10 +207,13 @@ class Launcher:
         self._start_zygote()
         if self.cluster is not None:  # a node: its workers join the router through its record in etcd
             assert self.cluster.membership is not None
-            self.cluster.membership.join()
-            for role, node in placed:
-                worker_id = self._take_worker_id()
-                self._notify(WorkerJoined(worker_id, self._spawn_worker(worker_id, role, node), role))
+            try:
+                self.cluster.membership.join()
+                for role, node in placed:
+                    worker_id = self._take_worker_id()
+                    self._notify(WorkerJoined(worker_id, self._spawn_worker(worker_id, role, node), role))
+            except (MembershipError, EtcdError) as exc:
+                raise StartupError(f"node {self.cluster.membership.name} cannot join: {exc}") from None
             return
         for worker_id, (role, node) in enumerate(placed):
             self._spawn_worker(worker_id, role, node)
@@ -420,7 +428,12 @@ class Launcher:
         now = time.monotonic()
         for due in [d for d in self._respawn_at if d[0] <= now]:
             self._respawn_at.remove(due)
-            new_id = self._take_worker_id()
+            try:
+                new_id = self._take_worker_id()
+            except MembershipError as exc:  # etcd unreachable: the replacement waits for it
+                log.warning("standby replacement postponed: %s", exc)
+                self._respawn_at.append((now + 1.0, due[1]))
+                continue
             address = self._spawn_worker(new_id, WorkerRole.STANDBY, due[1])
             self._notify(WorkerJoined(new_id, address, WorkerRole.STANDBY))
             started.append(self.children[-1])

@@ -387,8 +387,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
 
     ctx = zmq.Context()
     keys = ClusterKeys.load(args.cluster_keys, ClusterSide.NODE) if args.cluster_keys else None
-    if keys is not None:
-        guard(ctx, keys)  # (before the inbox binds; it lives as long as the process)
+    # Before the inbox binds; kept for the process's life (a CURVE server whose handler is gone admits anyone).
+    zap = guard(ctx, keys) if keys is not None else None
     outbox = WorkerOutbox(ctx, args.output, keys)
     inbox = WorkerInbox(ctx, args.input, keys)
     loop = WorkerLoop(cfg, args.worker_id, inbox, outbox, args.role)
@@ -450,6 +450,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
         engine.offload.close()
     if sync is not None:
         sync.close(pool, engine.blocks.held_blocks)
+    if zap is not None:
+        zap.stop()  # (before its context goes: its pipe is one of the context's sockets)
     ctx.destroy(linger=200)  # (the router reads fast; gone, nothing would reach it anyway)
     # Everything is released and sent: skip the interpreter's teardown of torch and the model (about a
     # second), which a rollout or a shutdown would wait for.

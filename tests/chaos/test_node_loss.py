@@ -212,4 +212,6 @@ def test_a_node_part_stopped_in_order_hands_its_stream_on_and_leaves(deployment)
     final = next(w for w in deployment.workers() if w["id"] == moved[-1]["to_worker"])
     assert final["node"] != seen["owner"]["node"], (moved, final)
     log = deployment.log("router").split(f"draining worker {seen['owner']['id']}")[-1]
-    assert "membership lapsed" not in log and f"worker {seen['owner']['id']} (pid" in log  # retired, not died
+    owner = seen["owner"]["id"]
+    assert "membership lapsed" not in log and f"worker {owner} (pid {seen['owner']['pid']}) retired" in log
+    assert f"worker {owner} (pid {seen['owner']['pid']}) died" not in log

@@ -75,13 +75,13 @@ def test_a_node_that_stops_renewing_disappears_and_registers_again(members, monk
     again the node registers anew. Meanwhile its supervisor's news never waits for etcd."""
     node = NodeMembership(members, "n1", ttl_s=2)
     node.join()
-    keepalive = node.members.etcd.lease_keepalive
+    keepalive = node.etcd.lease_keepalive
 
     def cut_off(lease: int) -> int:
         raise EtcdUnavailableError("cut off (test)")
 
     try:
-        monkeypatch.setattr(node.members.etcd, "lease_keepalive", cut_off)
+        monkeypatch.setattr(node.etcd, "lease_keepalive", cut_off)
         deadline = time.monotonic() + 10
         while "n1" in members.nodes():
             assert time.monotonic() < deadline, "etcd did not end the lease"
@@ -89,7 +89,7 @@ def test_a_node_that_stops_renewing_disappears_and_registers_again(members, monk
         t0 = time.monotonic()
         node.joined(WorkerEntry(9, "tcp://h:9", WorkerRole.STANDBY))
         assert time.monotonic() - t0 < 0.1
-        monkeypatch.setattr(node.members.etcd, "lease_keepalive", keepalive)
+        monkeypatch.setattr(node.etcd, "lease_keepalive", keepalive)
         deadline = time.monotonic() + 10
         while "n1" not in members.nodes():  # the keeper notices and registers again
             assert time.monotonic() < deadline, "the node did not register again"
@@ -123,6 +123,8 @@ def test_the_router_fences_a_lost_nodes_workers_before_declaring_them_dead(membe
     news: list = []
 
     async def notice(msg) -> None:
+        if msg == WorkerDied(5, 105, -1):  # declared dead only once its lease is fenced
+            assert ledger.lease("worker5").state == LeaseState.FENCED
         news.append(msg)
 
     seen: list[str] = []
@@ -145,9 +147,14 @@ def test_the_router_fences_a_lost_nodes_workers_before_declaring_them_dead(membe
         news.clear()
         await membership.apply({"n1": NodeRecord("n1", url, [w5])})  # back, listing its dead worker
         assert news == []
+        # It lapsed and registered again between two readings (another generation): its earlier
+        # workers are lost, its new ones join.
+        w7 = WorkerEntry(7, "tcp://h:7", WorkerRole.STANDBY, 107)
+        await membership.apply({"n1": NodeRecord("n1", url, [w7], generation=9)})
+        assert news == [WorkerJoined(7, "tcp://h:7", WorkerRole.STANDBY)]
 
     asyncio.run(scenario())
-    assert seen == [url, url]
+    assert seen == [url, url, url]
     with pytest.raises(Exception, match="fenced|epoch"):
         ledger.renew_lease("worker5", lease.epoch, 30.0)
     ledger.close()
@@ -187,3 +194,38 @@ def test_cluster_keys_let_in_only_the_other_side(tmp_path):
     finally:
         auth.stop()
         ctx.destroy(linger=0)
+
+
+def test_an_asyncio_context_is_guarded_too(tmp_path):
+    """The router's sockets live on an asyncio context, guarded through a plain shadow of it."""
+    import zmq.asyncio
+
+    paths = write_cluster_keys(tmp_path / "keys")
+    router = ClusterKeys.load(paths[ClusterSide.ROUTER], ClusterSide.ROUTER)
+    node = ClusterKeys.load(paths[ClusterSide.NODE], ClusterSide.NODE)
+    assert router.secret.decode() not in repr(router)  # (a key in a traceback is a key in a log)
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        auth = guard(ctx, router)
+        client = zmq.Context()
+        try:
+            outputs = ctx.socket(zmq.PULL)
+            as_server(outputs, router)
+            port = outputs.bind_to_random_port("tcp://127.0.0.1")
+            good, bad = client.socket(zmq.PUSH), client.socket(zmq.PUSH)
+            as_client(good, node)
+            as_client(bad, ClusterKeys(ClusterSide.NODE, *zmq.curve_keypair(), peer=router.public))
+            for sock in (good, bad):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IMMEDIATE, 1)
+                sock.connect(f"tcp://127.0.0.1:{port}")
+            good.send(b"from a node")
+            assert await asyncio.wait_for(outputs.recv(), 5) == b"from a node"
+            assert not bad.poll(500, zmq.POLLOUT)
+        finally:
+            client.destroy(linger=0)
+            auth.stop()
+            ctx.destroy(linger=0)
+
+    asyncio.run(scenario())
