@@ -489,8 +489,10 @@ class EngineClient:
         if to is None:
             target = self.migrations.target(flight, source)
             if target is None and reason is MigrationReason.DRAIN:
-                # A drain with no worker left to take its requests: a standby steps in (its node's first).
-                target = self.placement.standby(source.node)
+                # A drain with no worker left to take its requests: a standby steps in — its node's first,
+                # unless the worker is stopping (SIGTERM): then its node is, standbys and all.
+                stopping = source.status is not None and source.status.state == WorkerState.STOPPING
+                target = self.placement.standby(source.node, elsewhere=stopping)
                 if target is not None:
                     await self._promote(target, source.role if source.role in MIGRATION_ROLES else WorkerRole.MIXED)
             if target is None:

@@ -72,9 +72,13 @@ class Placement:
             return chosen
         return self.standby(node, live)
 
-    def standby(self, node: str = "", live: list[WorkerHandle] | None = None) -> WorkerHandle | None:
+    def standby(
+        self, node: str = "", live: list[WorkerHandle] | None = None, elsewhere: bool = False
+    ) -> WorkerHandle | None:
+        """A ready standby: of `node` first, or with `elsewhere` of another node first (`node` is
+        stopping as a whole, its standbys with it)."""
         standbys = [w for w in (self.live() if live is None else live) if w.role == WorkerRole.STANDBY]
-        return min(standbys, key=lambda w: (bool(node) and w.node != node, w.worker_id), default=None)
+        return min(standbys, key=lambda w: ((w.node == node) == elsewhere, w.worker_id), default=None)
 
     def decode_target(self) -> WorkerHandle | None:
         """Where a prefilled request decodes: a decode worker with room, by load then KV in use."""
