@@ -1,7 +1,7 @@
 """Who is in a deployment spread over hosts (`serve --role router|node --join etcd://...`): the records
 its parts keep in etcd, under the join URL's prefix P.
 
-    P/members/router         where the router takes workers' outputs (RouterRecord)
+    P/members/router         where the router takes workers' outputs (RouterRecord), under the router's lease
     P/members/nodes/{name}   a node: its ledger and live workers (NodeRecord), attached to the node's etcd
                              lease: when the node stops answering, etcd's clock removes it
     P/members/worker_ids     the next free worker id (ids are unique across the deployment)
@@ -36,6 +36,7 @@ MAX_WORKERS = 1024  # workers a node's record may list (each is a socket in the 
 # A node leaving keeps its last record (its workers retired) this long before removing it, so that the
 # router, polling every 0.25 s, reads how each worker ended rather than a node gone with its workers.
 LEAVE_GRACE_S = 1.0
+ROUTER_TTL_S = 10  # the router's record lives this long past its last renewal (every third of it)
 
 
 class _Lapsed(Exception):
@@ -110,8 +111,19 @@ class Members:
     def node_ledger_url(self, name: str) -> str:
         return sibling_ledger_url(self.join_url, f"/nodes/{check_node_name(name)}")
 
-    def publish_router(self, record: RouterRecord) -> None:
-        self.etcd.put(self._router_key, msgspec.json.encode(record))
+    def publish_router(self, record: RouterRecord, lease: int) -> None:
+        """The router's address, attached to `lease`, which the router keeps alive (`router_alive`): a
+        node that starts while no router runs waits for one rather than sending to a dead address."""
+        self.etcd.put(self._router_key, msgspec.json.encode(record), lease)
+
+    def router_alive(self, record: RouterRecord, lease: int) -> int:
+        """Renew the router's lease; once it lapsed (the router stalled), publish again under a new one.
+        Returns the lease in force."""
+        if self.etcd.lease_keepalive(lease) > 0:
+            return lease
+        lease, _ = self.etcd.lease_grant(ROUTER_TTL_S)
+        self.publish_router(record, lease)
+        return lease
 
     def router(self) -> RouterRecord | None:
         kvs = self.etcd.get(self._router_key)

@@ -26,7 +26,7 @@ from steadfast.control.resume_token import ResumeSigner
 from steadfast.control.serving import Limits, ServingContext
 from steadfast.control.shutdown import GracefulServer, Shutdown
 from steadfast.ipc import die_with_parent, setup_logging
-from steadfast.members import Members, RouterRecord
+from steadfast.members import ROUTER_TTL_S, Members, RouterRecord
 from steadfast.model.gguf_meta import max_model_len, open_gguf, read_config
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.protocol import WorkerRole
@@ -70,10 +70,10 @@ async def serve(
     tasks = []
     if join:
         members = Members(join)
-        await asyncio.to_thread(members.publish_router, RouterRecord(output, os.getpid()))
         ledgers = client.resumption_records.ledger_urls
         membership = Membership(members, client.notice, lambda url: url in ledgers or ledgers.append(url))
-        tasks.append(asyncio.create_task(membership.run()))
+        # (each task its own etcd client: a client is used by one thread at a time)
+        tasks += [asyncio.create_task(membership.run()), asyncio.create_task(publish(Members(join), output))]
     ctx = ServingContext(
         client=client,
         tokenizer=GGUFTokenizer.from_gguf(reader),
@@ -125,6 +125,22 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await client.close()
+
+
+async def publish(members: Members, output: str) -> None:
+    """A router part's address in etcd, under a lease renewed while this router runs."""
+    record = RouterRecord(output, os.getpid())
+    lease = 0
+    while True:
+        try:
+            if lease == 0:
+                lease, _ = await asyncio.to_thread(members.etcd.lease_grant, ROUTER_TTL_S)
+                await asyncio.to_thread(members.publish_router, record, lease)
+            else:
+                lease = await asyncio.to_thread(members.router_alive, record, lease)
+        except Exception as exc:  # noqa: BLE001 - etcd unreachable: the record stands until its lease ends
+            log.warning("the router's record not renewed: %s", exc)
+        await asyncio.sleep(ROUTER_TTL_S / 3)
 
 
 def main() -> None:
