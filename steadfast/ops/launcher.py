@@ -39,8 +39,7 @@ from steadfast import env, protocol
 from steadfast.config import Config
 from steadfast.kv.arena_file import ArenaSpaceError, check_space, make_arena
 from steadfast.kv.etcd_client import EtcdError
-from steadfast.kv.ledger import LeaseState, Ledger, LedgerUnavailableError
-from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
+from steadfast.kv.ledger_url import sibling_ledger_url, sqlite_url
 from steadfast.kv.moves.curve import CurveUnavailableError, TransferSide, write_deployment_keys
 from steadfast.kv.pool_client import PoolClient
 from steadfast.kv.spec import ArenaSpec, arena_spec
@@ -49,6 +48,7 @@ from steadfast.model.gguf_meta import open_gguf, read_config
 from steadfast.ops.arena_dir import ArenaDir
 from steadfast.ops.children import ArenaSource, ChildKind, ChildSpec, OnExit, pool_spec, router_spec, worker_spec
 from steadfast.ops.cluster_part import ClusterPart, PartRole
+from steadfast.ops.lease_watch import LeaseWatch
 from steadfast.ops.zygote_client import Process, Zygote, become_subreaper, reap_orphans
 from steadfast.protocol import WorkerDied, WorkerJoined, WorkerRole
 
@@ -62,10 +62,6 @@ ROUTER_STOP_GRACE_S = 10.0
 ORPHAN_REAP_S = 5.0
 WORKER_STOP_S = 10.0  # a worker with no request exits at once (it may be loading the model still)
 POOL_STOP_S = 10.0
-# A lapsed lease its pool has not fenced this long after the supervisor saw it lapse: the pool is not
-# arbitrating (it fences within a renew interval when it runs), so the supervisor fences it.
-LAPSED_GRACE_S = 2.0
-LEDGER_WAIT_S = 2.0  # the supervisor's ledger calls wait this long for the store, not the workers' 10 s
 
 
 class Phase(enum.Enum):
@@ -111,7 +107,6 @@ class PoolNode:
     address: str
     ledger_url: str
     spec: ChildSpec
-    ledger: Ledger | None = None  # opened when first needed, to read fenced leases
 
     @property
     def name(self) -> str:
@@ -138,8 +133,7 @@ class Launcher:
     cluster: ClusterPart | None = None  # one part of a deployment over hosts (`serve --role router|node`)
     _next_reap: float = 0.0  # (a subreaper adopts every orphan below it: see reap_orphans)
     _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
-    _lapsed: dict[tuple[int, str], float] = field(default_factory=dict)  # (node, worker) -> first seen lapsed
-    _fenced_here: set[str] = field(default_factory=set)  # workers this supervisor fenced, not their pool
+    leases: LeaseWatch = field(default_factory=LeaseWatch)  # fences what a stopped pool does not
     # Once the router runs, a SIGTERM or SIGINT is a stop in order (its clients' streams drain), even one
     # that comes before `wait`: kept here, acted on there.
     router_started: bool = False
@@ -351,44 +345,12 @@ class Launcher:
         return address
 
     def _kill_fenced(self) -> None:
-        """A worker its pool fenced (its lease expired: hung, stopped) can never write again; end it,
-        so that its death is certain and its requests can move. A lease that lapsed and is still active
-        `LAPSED_GRACE_S` later is fenced here: its node's pool is not arbitrating (stopped or hung with
-        the rest of its node), and its workers' requests must not wait for it."""
-        fenced = set()
-        now = time.monotonic()
-        for node in self.nodes:
-            if node.ledger is None:
-                # A short wait: this runs in the loop that notices deaths, which a store without a
-                # quorum (etcd) must not hold up for long.
-                node.ledger = open_ledger(node.ledger_url, timeout_s=LEDGER_WAIT_S)
-            try:
-                fenced |= self._fence_lapsed(node, now)
-            except LedgerUnavailableError as exc:  # the store is down: try again next round, keep supervising
-                log.warning("%s's ledger unavailable to the supervisor: %s", node.name, exc)
+        """End every worker fenced while alive (by its pool, or here: `LeaseWatch`)."""
+        fenced = self.leases.fenced({node.name: node.ledger_url for node in self.nodes}, time.monotonic())
         for c in self.children:
             if c.name in fenced and c.proc.poll() is None:
                 log.error("%s (pid %d) was fenced while alive; killing it", c.name, c.proc.pid)
                 c.proc.kill()
-
-    def _fence_lapsed(self, node: PoolNode, now: float) -> set[str]:
-        """The node's fenced workers, after fencing those whose lease lapsed `LAPSED_GRACE_S` ago."""
-        assert node.ledger is not None
-        fenced = set()
-        for lease in node.ledger.leases():
-            key = (node.index, lease.worker)
-            if lease.state == LeaseState.ACTIVE and lease.expires < now:
-                if now - self._lapsed.setdefault(key, now) < LAPSED_GRACE_S:
-                    continue
-                node.ledger.fence(lease.worker)
-                self._fenced_here.add(lease.worker)
-                log.error("%s's lease lapsed and its pool did not fence it: the supervisor did", lease.worker)
-                fenced.add(lease.worker)
-            else:
-                self._lapsed.pop(key, None)
-                if lease.state == LeaseState.FENCED:
-                    fenced.add(lease.worker)
-        return fenced
 
     def _worker_died(self, c: Child) -> None:
         """Reaped worker: fence it through its node's pool (pid confirmed gone), tell the router; a
@@ -403,9 +365,9 @@ class Launcher:
             self._notify(WorkerDied(worker_id, c.proc.pid, 0))
             return
         log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
-        if self.nodes and c.name in self._fenced_here:
+        if self.nodes and c.name in self.leases.fenced_here:
             # Fenced here because its pool did not: the pool reclaims its blocks when it runs again.
-            self._fenced_here.discard(c.name)
+            self.leases.fenced_here.discard(c.name)
         elif self.nodes:
             try:
                 kept = PoolClient(self.nodes[node].address, "supervisor", timeout_s=1.0, attempts=3).fence_dead(
