@@ -45,6 +45,9 @@ _EPOCH_WRITES = {
 
 # Calls whose answer the checker needs to replay them: one whose process died before it ended is left out.
 _NEEDS_RESULT = {"acquire_lease", "fence", "grant", "hand_over", "reclaim", "reserve_slots"}
+# A call its process died in is left out of the history when its answer is needed to replay it, or when
+# it changes no record (a late renewal is no write to check).
+_LEFT_OUT_UNFINISHED = _NEEDS_RESULT | {"renew_lease"}
 _READS = {"blocks", "leases", "lease", "request", "requests", "check_integrity", "commit_order", "tiers", "slots"}
 
 
@@ -149,10 +152,8 @@ def load_journal(folder: str | Path, store: str | None = None) -> list[Op]:
         last = 0
         for n, call in sorted(started.items()):
             end = ended.get(n)
-            if end is None and call["name"] in _NEEDS_RESULT:
-                continue  # died in it, and its answer is needed to replay it
-            if end is None and call["name"] == "renew_lease":
-                continue  # died in it: a renewal changes no record, and a late one is no write to check
+            if end is None and call["name"] in _LEFT_OUT_UNFINISHED:
+                continue
             ok = end["ok"] if end is not None else True  # died in it: it may have committed
             result = end["result"] if end is not None else None
             if call["name"] == "acquire_lease" and ok:

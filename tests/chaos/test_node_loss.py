@@ -17,12 +17,12 @@ import shutil
 import signal
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import pytest
 
 from steadfast.kv.history import check_history, load_journal
+from steadfast.ops.chaos import children_named
 from tests.chaos.test_crash_recovery import request_specs
 from tests.chaos.test_router_restart import ResumingStream
 from tests.deployment import Deployment
@@ -163,7 +163,7 @@ def test_the_router_part_killed_mid_stream_its_clients_resume_on_the_restarted_o
     undisturbed = ResumingStream(deployment.url, model, spec)
     undisturbed.start()
     undisturbed.join(120)
-    (router,) = [p for p in deployment.pids("router") if b"steadfast.control.main" in _cmdline(p)]
+    (router,) = children_named(deployment.parts["router"].pid, "steadfast.control.main")  # (netns exec execs)
     client = ResumingStream(deployment.url, model, spec)
     client.start()
     deployment.wait(lambda: len(client.tokens) >= 16, 60, "16 tokens")
@@ -173,13 +173,6 @@ def test_the_router_part_killed_mid_stream_its_clients_resume_on_the_restarted_o
     assert client.counts == sorted(set(client.counts))  # no event twice
     assert client.tokens == undisturbed.tokens and undisturbed.finish == "length"
     assert "router (pid" in deployment.log("router") and "restarting it" in deployment.log("router")
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def test_a_node_part_stopped_in_order_hands_its_stream_on_and_leaves(deployment):
