@@ -132,6 +132,10 @@ class DegradationConfig:
     # `high_reserve` per serving worker are in flight.
     breaker_factor: float = 3.0
     high_reserve: int = 8
+    # A latency target the hardware misses with one request alone (its measured solo step, or a typical
+    # prompt's prefill) is said once, and the ladder judges that latency against this many times the solo
+    # figure instead: load can be shed, the hardware's speed cannot.
+    solo_headroom: float = 2.0
     # Retry-After (seconds) on a 503 from the breaker; a 429's is the predicted wait, at least 1.
     retry_after_s: int = 2
     # Level changes kept for GET /admin/degradation.
@@ -160,6 +164,8 @@ class DegradationConfig:
                 raise ConfigError(f"degradation.{name} must be >= 1")
         if self.max_context_tokens < 16:
             raise ConfigError("degradation.max_context_tokens must be >= 16")
+        if self.solo_headroom < 1:
+            raise ConfigError("degradation.solo_headroom must be >= 1 (what the hardware does alone is attainable)")
         if not 0 < self.offload_target <= 1 or self.breaker_factor <= 1 or self.high_reserve < 0:
             raise ConfigError("degradation.offload_target must be in (0, 1], breaker_factor > 1, high_reserve >= 0")
         if self.history < 1:

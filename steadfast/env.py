@@ -1,7 +1,8 @@
 """Environment variables: the one module of Steadfast that reads them (STYLE; mini-sglang `env.py`).
 
-A leaf: standard library only at run time, so any module, config included, may import it and the
-router stays free of torch. Each variable is read when its function is called, not at import.
+A leaf: standard library only at run time (and `config_base`, itself a leaf), so any module, config
+included, may import it and the router stays free of torch. Each variable is read when its function is
+called, not at import.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from steadfast.config_base import ConfigError
 
 if TYPE_CHECKING:
     from steadfast.config import TransferConfig
@@ -104,17 +107,40 @@ def api_key() -> str:
     return os.environ.get("STEADFAST_API_KEY", "")
 
 
+def compare_api_key() -> str:
+    """STEADFAST_COMPARE_API_KEY: the key `steadfast bench --compare` sends to the second server (never
+    STEADFAST_API_KEY: that is the first server's secret, and the second may be anyone's)."""
+    return os.environ.get("STEADFAST_COMPARE_API_KEY", "")
+
+
 def admin_api_key() -> str:
     """STEADFAST_ADMIN_KEY: the key /admin/* asks for when `server.admin_api_key` is unset."""
     return os.environ.get("STEADFAST_ADMIN_KEY", "")
 
 
+# The shortest resume key accepted: 128 bits, the strength of the tokens it signs (resume_token.py).
+MIN_RESUME_KEY_BYTES = 16
+
+
 def resume_key() -> bytes:
     """STEADFAST_RESUME_KEY (hex): the deployment's key for resume tokens. The launcher makes one per
     deployment and hands it to its router through the environment, so a restarted router accepts the
-    event ids its predecessor sent. Empty if unset (a router started alone makes its own)."""
-    value = os.environ.get("STEADFAST_RESUME_KEY", "")
-    return bytes.fromhex(value) if value else b""
+    event ids its predecessor sent. Empty if unset (a router started alone makes its own). ConfigError
+    when it is not hex or shorter than MIN_RESUME_KEY_BYTES: a short key lets anyone who guesses it
+    resume (read) every client's stream."""
+    value = os.environ.get("STEADFAST_RESUME_KEY", "").strip()
+    if not value:
+        return b""
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        raise ConfigError("STEADFAST_RESUME_KEY must be hex digits (make one: openssl rand -hex 32)") from None
+    if len(key) < MIN_RESUME_KEY_BYTES:
+        raise ConfigError(
+            f"STEADFAST_RESUME_KEY is {len(key)} bytes; it must be at least {MIN_RESUME_KEY_BYTES} bytes "
+            f"({2 * MIN_RESUME_KEY_BYTES} hex digits; make one: openssl rand -hex 32)"
+        )
+    return key
 
 
 def export_keys(api_key: str, admin_api_key: str, resume: bytes) -> None:

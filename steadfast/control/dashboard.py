@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from steadfast.control.ladder import Level
+from steadfast.control.ladder_view import hardware_message
 from steadfast.control.migration import MigrationOutcome, MigrationReason
 from steadfast.control.serving import ServingContext
 from steadfast.control.tags import request_tag
@@ -125,6 +126,7 @@ class Dashboard:
                 if d is not None
                 else "off",
                 "reason": d.ladder.reason if d is not None else "",
+                "hardware": hardware_message(d) if d is not None else "",
                 "since_s": round(now - d.ladder.since, 1) if d is not None else 0.0,
                 "history": [c.as_dict() for c in d.ladder.history] if d is not None else [],
             },

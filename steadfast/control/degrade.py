@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
+from steadfast.control.attainable import Attainability, Latency, Verdict
 from steadfast.control.delivery import Flight
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Ladder, Level, LevelChange, Snapshot
@@ -112,6 +113,7 @@ class Degradation:
     src: Sources
     on_change: Callable[[LevelChange], None] | None = None  # metrics
     on_refuse: Callable[[Priority, int], None] | None = None  # metrics: priority, status
+    on_verdict: Callable[[Verdict], None] | None = None  # an SLO found (un)attainable on this hardware
     ladder: Ladder = field(init=False)
     latencies: dict[Priority, Latencies] = field(init=False)
     _unplaced: dict[str, Queued] = field(default_factory=dict)
@@ -126,9 +128,11 @@ class Degradation:
     tpot_model: Calibration = field(default_factory=Calibration)
     _predicted: dict[str, tuple[float, float]] = field(default_factory=dict)  # own TTFT, TPOT figures, in flight
     _ticks: int = 0
+    attainable: Attainability = field(init=False)
 
     def __post_init__(self) -> None:
         self.ladder = Ladder(self.cfg)
+        self.attainable = Attainability(self.cfg.solo_headroom)
         self.latencies = {p: Latencies.over(self.cfg.window_s) for p in Priority}
         self._capacity = {p: Window(self.cfg.window_s) for p in PROTECTED}
 
@@ -175,8 +179,28 @@ class Degradation:
         return self._capacity_p99_ms
 
     def step_target_ms(self, level: Level) -> float:
-        """From L1 on, a step beside streams is kept within the TPOT p99 target (0: the workers' own)."""
-        return self.slo.targets(Priority.NORMAL).tpot_ms.p99 if level >= Level.L1 else 0.0
+        """From L1 on, a step beside streams is kept within the TPOT p99 target, as judged (0: the
+        workers' own)."""
+        return self.judged_ms(Latency.TPOT, Priority.NORMAL) if level >= Level.L1 else 0.0
+
+    def judged_ms(self, latency: Latency, priority: Priority, p50: bool = False) -> float:
+        """A priority's target as the ladder holds it: the SLO's, or what this hardware can do where it
+        misses the SLO alone (control/attainable.py; the other targets scaled alike)."""
+        normal = self.slo.targets(Priority.NORMAL)
+        own = self.slo.targets(priority)
+        base, mine = (normal.ttft_ms, own.ttft_ms) if latency is Latency.TTFT else (normal.tpot_ms, own.tpot_ms)
+        target = mine.p50 if p50 else mine.p99
+        return target * self.attainable.judged_ms(latency, base.p99) / base.p99
+
+    def solo_ms(self, loads: list[WorkerLoad]) -> dict[Latency, float]:
+        """The hardware's solo figures now, on the fastest measured serving worker (0: none measured): a
+        typical prompt's TTFT and a decode step of one row."""
+        measured = [w for w in loads if w.measured]
+        if not measured:
+            return {Latency.TTFT: 0.0, Latency.TPOT: 0.0}
+        alone = [dataclasses.replace(w, kv_used=0, running=[], queued=[]) for w in measured]
+        ttft = min(predict_ttft(w, TYPICAL_PROMPT, Priority.NORMAL, self.sched, self.block_size) for w in alone)
+        return {Latency.TTFT: 1000 * ttft, Latency.TPOT: 1000 * min(w.decode_step_s(1) for w in alone)}
 
     def _predict(
         self, loads: list[WorkerLoad], prompt: int, priority: Priority, cached: dict[int, int] | None = None
@@ -199,19 +223,20 @@ class Degradation:
         tpot = self.tpot_model.factor
         busy = [w for w in loads if w.measured and (w.running or w.queued)]
         typical = [tpot * w.tpot_s(TYPICAL_PROMPT, TYPICAL_OUTPUT) for w in busy]
-        normal = self.slo.targets(Priority.NORMAL)
-        tpot_slo = normal.tpot_ms.p99 / 1000
+        tpot_slo = self.judged_ms(Latency.TPOT, Priority.NORMAL)
         return Snapshot(
             kv_use=sum(w.kv_used for w in loads) / total if total else 0.0,
             queued=sum(len(w.queued) for w in loads),
-            load=max(typical, default=0.0) / tpot_slo,
+            load=1000 * max(typical, default=0.0) / tpot_slo,
             predicted_ttft_ms=1000 * self._predict(loads, TYPICAL_PROMPT, Priority.NORMAL)[0],
             ttft_p99_ms=self._observed[0],
             tpot_p99_ms=self._observed[1],
-            ttft_slo_ms=normal.ttft_ms.p99,
-            tpot_slo_ms=normal.tpot_ms.p99,
+            ttft_slo_ms=self.judged_ms(Latency.TTFT, Priority.NORMAL),
+            tpot_slo_ms=tpot_slo,
             level_ttft_p99_ms=self._observed[2],
             level_tpot_p99_ms=self._observed[3],
+            in_flight=sum(len(w.running) + len(w.queued) for w in loads),
+            workers=len(loads),
         )
 
     def _observe_windows(self) -> None:
@@ -229,9 +254,14 @@ class Degradation:
         as its priority and the level say. An admitted one is counted as queued until its first token."""
         prompt_tokens = len(prompt)
         loads = self.loads()
-        self._changed(self.ladder.step(self.snapshot(loads), rise_only=True))
+        snap = self.snapshot(loads)
+        self._changed(self.ladder.step(snap, rise_only=True))
         level = self.ladder.level
         self._check_queue(loads, priority)
+        if snap.alone and self.ladder.override is None:
+            # Nothing queued or shared: this request is served as fast as the hardware goes whatever the
+            # level says (it may still be falling from a burst); refusing or shortening it helps nobody.
+            level = Level.L0
         shortened = level >= Level.L4 and priority != Priority.HIGH
         if shortened and prompt_tokens > self.cfg.max_context_tokens:  # predicted as it will be (cut)
             prompt, prompt_tokens = (), self.cfg.max_context_tokens
@@ -251,7 +281,10 @@ class Degradation:
             self._check_ttft(loads, priority, level, prompt_tokens, cached, predicted)
         tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
         if refused_by_prediction(priority, level) and level >= tpot_from and self.tpot_model.trusted:
-            self._check_tpot(priority, level, self.tpot_model.factor * own_tpot)
+            alone = dataclasses.replace(chosen, running=[], queued=[]) if chosen is not None else None
+            solo = alone.tpot_s(prompt_tokens, output_tokens) if alone is not None else 0.0
+            factor = self.tpot_model.factor
+            self._check_tpot(priority, level, factor * own_tpot, factor * solo)
         plan = Plan(level, predicted_ttft_ms=1000 * predicted)
         if shortened:
             plan.max_tokens_cap = self.cfg.max_tokens_cap
@@ -300,11 +333,10 @@ class Degradation:
         while the TPOT SLO is broken (no capacity to spare); else only past `ttft_refuse` x it. A prompt
         that alone takes longer than the target is judged by what others add to it. Retry-After: until
         the queue ahead has drained to the target."""
-        target = self.slo.targets(priority).ttft_ms
-        bar = (target.p99 if priority == Priority.NORMAL else target.p50) / 1000
+        bar = self.judged_ms(Latency.TTFT, priority, p50=priority != Priority.NORMAL) / 1000
         idle = [dataclasses.replace(w, kv_used=0, running=[], queued=[]) for w in loads]
-        bar = max(bar, 2 * self._predict(idle, prompt_tokens, priority, cached)[0])
-        overloaded = self._capacity_p99_ms > self.slo.targets(Priority.NORMAL).tpot_ms.p99
+        bar = max(bar, self.cfg.solo_headroom * self._predict(idle, prompt_tokens, priority, cached)[0])
+        overloaded = self._capacity_p99_ms > self.judged_ms(Latency.TPOT, Priority.NORMAL)
         factor = 1.0 if overloaded else self.cfg.ttft_refuse
         if predicted > factor * bar:
             self._refuse(
@@ -317,10 +349,12 @@ class Degradation:
                 max(1, math.ceil(predicted - bar)),
             )
 
-    def _check_tpot(self, priority: Priority, level: Level, predicted: float) -> None:
+    def _check_tpot(self, priority: Priority, level: Level, predicted: float, alone: float) -> None:
         """A request that would slow every stream of its worker past the TPOT target once it decodes beside
-        all that runs and waits there (low: a share of its p99 target)."""
-        target = self.slo.targets(priority).tpot_ms.p99 * (1.0 if priority == Priority.NORMAL else LOW_TPOT_SHARE)
+        all that runs and waits there (low: a share of its p99 target). `alone`: its own time per token
+        with nothing beside it, which no refusal lowers: sharing has to add `solo_headroom` x it first."""
+        share = 1.0 if priority == Priority.NORMAL else LOW_TPOT_SHARE
+        target = max(share * self.judged_ms(Latency.TPOT, priority), 1000 * self.cfg.solo_headroom * alone)
         if predicted * 1000 > target:
             self._refuse(
                 priority,
@@ -374,6 +408,7 @@ class Degradation:
             if now - q.admitted_at > UNPLACED_TTL_S:
                 del self._unplaced[rid]
         self._observe_windows()
+        self._judge_hardware()
         snap = self.snapshot()
         self._changed(self.ladder.step(snap))
         orders = self.orders(snap)
@@ -381,6 +416,20 @@ class Degradation:
         if orders != self._orders or self._ticks % RESEND_EVERY == 0:
             self._orders = orders
             await self.src.broadcast(orders)
+
+    def _judge_hardware(self) -> None:
+        """The hardware's solo figures against the targets; a change said once (log and history)."""
+        normal = self.slo.targets(Priority.NORMAL)
+        targets = {Latency.TTFT: normal.ttft_ms.p99, Latency.TPOT: normal.tpot_ms.p99}
+        for latency, solo in self.solo_ms(self.loads()).items():
+            verdict = self.attainable.observe(latency, solo, targets[latency])
+            if verdict is not None:
+                self._said(verdict)
+
+    def _said(self, verdict: Verdict) -> None:
+        (log.info if verdict.attainable else log.warning)("%s", verdict.message())
+        if self.on_verdict is not None:
+            self.on_verdict(verdict)
 
     def orders(self, s: Snapshot) -> Degrade:
         """What running work gives up at the current level (the seed's L2 rules: high priority keeps
@@ -397,7 +446,7 @@ class Degradation:
     def set_level(self, level: Level | None) -> LevelChange | None:
         change = self.ladder.set(level, self.snapshot())
         self._changed(change)
-        if change is None and level is None:
+        if level is None:
             log.warning("degradation level back under automatic control (now L%d)", self.ladder.level)
         return change
 

@@ -6,8 +6,13 @@ the level it causes, not the one of half a second ago), and fall one level at a 
 level has been held `min_dwell_s` and every signal is below its exit threshold. L4 and L5 are reached
 by escalation: an SLO still broken after `escalate_after_s` at a level — by the requests that level
 admitted — takes it one up (L1 → L4), and L4 becomes L5 when the breakage is severe (`breaker_factor`
-x the target). So one noisy signal moves
-the level at most twice per dwell time.
+x the target). So one noisy signal moves the level at most twice per dwell time.
+
+Only overload moves the level by latency: the load, queue and latency signals count while the service is
+crowded (more requests in flight than serving workers: one more would queue or share a step), and the
+targets are those the hardware can meet (control/attainable.py). A slow machine serving one request at
+a time stays at L0 whatever its latencies; once the crowd is gone the level falls to what the remaining
+signals hold in one move (after its dwell), not one level per dwell.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Snapshot:
     predicted_ttft_ms: float  # a typical new normal request on the best worker
     ttft_p99_ms: float  # observed, high and normal priority, over the window
     tpot_p99_ms: float
+    # The targets judged against: the SLO's, or what the hardware can do where it misses them alone.
     ttft_slo_ms: float
     tpot_slo_ms: float
     # The same p99s over only what the current level admitted (TTFT) or saw finish (TPOT): whether
@@ -65,6 +71,19 @@ class Snapshot:
     # None: as the window's.
     level_ttft_p99_ms: float | None = None
     level_tpot_p99_ms: float | None = None
+    in_flight: int = 0  # requests admitted and not finished (queued or running)
+    workers: int = 1  # serving workers
+
+    @property
+    def crowded(self) -> bool:
+        """More in flight than the workers serve one each: a new request would queue or share a step, so
+        its latency is load's doing, which the ladder can shed, not the hardware's."""
+        return self.in_flight > max(1, self.workers)
+
+    @property
+    def alone(self) -> bool:
+        """Fewer in flight than serving workers: a new request would run alone (at admission)."""
+        return self.in_flight < max(1, self.workers)
 
     @property
     def level_ttft_ms(self) -> float:
@@ -124,12 +143,14 @@ class Ladder:
             return Level.L3, f"KV use {s.kv_use:.0%} >= {c.offload_enter:.0%}"
         if s.kv_use >= c.kv_enter:
             return Level.L2, f"KV use {s.kv_use:.0%} >= {c.kv_enter:.0%}"
+        if not s.crowded:
+            return Level.L0, ""
         if s.queued >= c.queue_enter:
             return Level.L2, f"{s.queued} requests queued >= {c.queue_enter}"
         if s.load >= c.load_enter:
             return Level.L2, f"load {s.load:.2f} >= {c.load_enter}"
         bar = c.ttft_enter * s.ttft_slo_ms
-        if s.predicted_ttft_ms >= bar and self._busy(s):
+        if s.predicted_ttft_ms >= bar:
             return Level.L1, f"predicted TTFT {s.predicted_ttft_ms:.0f} ms >= {bar:.0f} ms"
         if s.ttft_p99_ms >= bar:
             return Level.L1, f"observed TTFT p99 {s.ttft_p99_ms:.0f} ms >= {bar:.0f} ms"
@@ -138,25 +159,22 @@ class Ladder:
     def _held(self, s: Snapshot) -> Level:
         """The highest level some signal still holds (exit thresholds): the level falls only below it."""
         c = self.cfg
-        if self._severe(s):
+        if s.crowded and self._severe(s):
             return Level.L5
-        if self._broken(s):
+        if s.crowded and self._broken(s):
             return Level.L4
         if s.kv_use >= c.offload_exit:
             return Level.L3
-        if s.kv_use >= c.kv_exit or s.queued >= c.queue_exit or s.load >= c.load_exit:
+        if s.kv_use >= c.kv_exit:
+            return Level.L2
+        if not s.crowded:
+            return Level.L0
+        if s.queued >= c.queue_exit or s.load >= c.load_exit:
             return Level.L2
         bar = c.ttft_exit * s.ttft_slo_ms
-        if (s.predicted_ttft_ms >= bar and self._busy(s)) or s.ttft_p99_ms >= bar:
+        if s.predicted_ttft_ms >= bar or s.ttft_p99_ms >= bar:
             return Level.L1
         return Level.L0
-
-    @staticmethod
-    def _busy(s: Snapshot) -> bool:
-        """Something queued or running. An idle server's predicted TTFT is its floor (a typical prompt's
-        prefill alone): admission control cannot lower it, so it neither raises nor holds L1 (on a slow
-        machine the floor can sit over `ttft_exit` x the target, and the ladder never came back to L0)."""
-        return s.queued > 0 or s.load > 0
 
     @staticmethod
     def _broken(s: Snapshot) -> bool:
@@ -170,8 +188,9 @@ class Ladder:
     def step(self, s: Snapshot, rise_only: bool = False) -> LevelChange | None:
         """Look at `s`; move the level if the rules say so. `rise_only` (at admission): only a rise."""
         now = self.clock()
-        self._broken_since = (self._broken_since or now) if self._broken(s) else None
-        self._severe_since = (self._severe_since or now) if self._severe(s) else None
+        # Broken by load: a target missed while nothing crowds the service is the hardware's, not load's.
+        self._broken_since = (self._broken_since or now) if s.crowded and self._broken(s) else None
+        self._severe_since = (self._severe_since or now) if s.crowded and self._severe(s) else None
         if self.override is not None or not self.cfg.enabled:
             return None
         wanted, why = self._entered(s)
@@ -187,7 +206,10 @@ class Ladder:
         if self.level == Level.L4 and self._severe_since is not None:
             if min(held_for, now - self._severe_since) >= after:
                 return self._move(Level.L5, f"SLO broken {self.cfg.breaker_factor}x at L4: {self._slo(s)}", s)
-        if self.level > Level.L0 and held_for >= self.cfg.min_dwell_s and self._held(s) < self.level:
+        held = self._held(s)
+        if self.level > Level.L0 and held_for >= self.cfg.min_dwell_s and held < self.level:
+            if not s.crowded:  # the load is gone: down to what KV still holds, in one move
+                return self._move(held, f"nothing queued or shared: {s.in_flight} in flight on {s.workers}", s)
             return self._move(Level(self.level - 1), f"signals below the exit thresholds of {self.level.name}", s)
         return None
 
@@ -200,6 +222,11 @@ class Ladder:
         """An operator's level (held until set back to None: the controller resumes from it)."""
         self.override = level
         if level is None:
+            # The operator's level was not the signals': resume from what they ask for now, not from it.
+            self._broken_since = self._severe_since = None
+            wanted, why = self._entered(s)
+            if wanted < self.level and self.cfg.enabled:
+                return self._move(wanted, f"automatic control resumed{': ' + why if why else ''}", s)
             self.reason = "automatic control resumed"
             return None
         return self._move(level, "set by an operator", s, manual=True) if level != self.level else None

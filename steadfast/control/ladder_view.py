@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from steadfast.control.attainable import Latency
 from steadfast.control.degrade import TYPICAL_OUTPUT, TYPICAL_PROMPT, Degradation, refused_by_prediction
 from steadfast.control.ladder import Level
 from steadfast.control.signals import WorkerLoad, predict_ttft
@@ -43,6 +44,17 @@ def admission(level: Level, priority: Priority, high_reserve: int) -> str:
     return "open"
 
 
+def hardware(d: Degradation) -> dict[str, dict[str, object]]:
+    """Each latency target against what the hardware does alone, and what the ladder judges against."""
+    normal = d.slo.targets(Priority.NORMAL)
+    return d.attainable.view({Latency.TTFT: normal.ttft_ms.p99, Latency.TPOT: normal.tpot_ms.p99})
+
+
+def hardware_message(d: Degradation) -> str:
+    """The unattainable targets, said in one line ("" when every target is within the hardware's reach)."""
+    return "; ".join(str(v["message"]) for v in hardware(d).values() if v["message"])
+
+
 def ladder_view(d: Degradation) -> dict[str, Any]:
     loads = d.loads()
     snap = d.snapshot(loads)
@@ -73,6 +85,9 @@ def ladder_view(d: Degradation) -> dict[str, Any]:
         "since_s": round(now - d.ladder.since, 3),
         "reason": d.ladder.reason,
         "signals": snap.as_dict(),
+        # Latency signals count only while crowded (more in flight than serving workers).
+        "crowded": snap.crowded,
+        "hardware": hardware(d),
         "workers": worker_signals(d, loads),
         # measured / predicted, learnt from finished requests
         "calibration": {"ttft": round(d.ttft_model.factor, 3), "tpot": round(d.tpot_model.factor, 3)},

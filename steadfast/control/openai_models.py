@@ -4,13 +4,25 @@ Fields OpenAI defines that Steadfast does not implement are accepted only at the
 other value is a 400 naming the field, never silently ignored. Extensions: `top_k`, `priority`,
 `ignore_eos`, `stop_token_ids`, `return_token_ids` (each choice also carries its token ids), `speculative`
 (false: this request never drafts, where the worker speculates; its output is the same either way).
+Every string, wherever it is in a body, must be valid Unicode: a lone surrogate (JSON `"\\ud800"`) is a 400.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 # A JSON number: an int is taken (as a float), a bool or a string is not. Not `StrictFloat | StrictInt`:
 # bounds put on a union are checked but missing from the JSON schema, which then allows any number.
@@ -21,6 +33,26 @@ INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP_TOKEN_IDS = 64
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unicode(value: Any) -> Any:
+    """`value`, refused if a string in it (a key too) holds a lone surrogate: JSON lets a client send one,
+    but it is no text, and every later step that encodes the body (its digest, logs) would fail on it."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise ValueError("the text holds a lone surrogate (not valid Unicode)")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _unicode(key)
+            _unicode(item)
+    elif isinstance(value, list):
+        for item in value:
+            _unicode(item)
+    return value
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -31,14 +63,14 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr
+    model: Text
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     priority: Literal["high", "normal", "low"] = "normal"
@@ -47,8 +79,8 @@ class _Sampling(BaseModel):
     return_token_ids: StrictBool = False
     presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[str, Any] | None = None
-    user: StrictStr | None = None
+    logit_bias: Annotated[dict[str, Any], AfterValidator(_unicode)] | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -77,12 +109,12 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | list[TokenId]
+    prompt: Text | list[Text] | list[TokenId]
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
@@ -99,14 +131,14 @@ class CompletionRequest(_Sampling):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -119,8 +151,8 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: StrictBool = False
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[Any], AfterValidator(_unicode)] | None = None
+    response_format: Annotated[dict[str, Any], AfterValidator(_unicode)] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs:

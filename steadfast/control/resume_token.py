@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
 TOKEN_HEX = 32  # 128 bits
+# The counts in an event id: plain decimal, as this server writes them, and at most this, far above any
+# context (tokens) or its text (characters) and within every integer the protocol and ledgers hold: a
+# larger one would fail in the stream after its 200 was sent, not here.
+MAX_HELD = 2**31 - 1
+_COUNT = re.compile(r"[0-9]{1,10}")
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,18 @@ def parse_event_id(event_id: str) -> ResumePoint:
     """ValueError unless `event_id` has the shape this server sends."""
     head, tokens, chars = event_id.rsplit(":", 2)
     request_id, _, token = head.rpartition(".")
-    have_tokens, have_chars = int(tokens), int(chars)
-    if not request_id or len(token) != TOKEN_HEX or have_tokens < 0 or have_chars < 0:
+    have_tokens, have_chars = _count(tokens), _count(chars)
+    if not request_id or len(token) != TOKEN_HEX:
         raise ValueError(event_id)
     return ResumePoint(request_id, token, have_tokens, have_chars)
+
+
+def _count(text: str) -> int:
+    """A count of an event id; ValueError unless plain digits up to MAX_HELD (`int` would take a sign,
+    spaces, underscores, other scripts' digits and any size)."""
+    if _COUNT.fullmatch(text) is None or int(text) > MAX_HELD:
+        raise ValueError(text)
+    return int(text)
 
 
 class ResumeSigner:

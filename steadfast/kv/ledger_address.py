@@ -3,6 +3,7 @@ the forms). Kept apart from the backends so that checking a config's URL imports
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from steadfast.kv.ledger import LedgerUrlError
@@ -45,6 +46,29 @@ def etcd_address(url: str) -> tuple[list[str], str, str] | None:
     http = "https" if scheme == "etcd+https" else "http"
     prefix = "/" + path.strip("/") if path.strip("/") else ETCD_PREFIX
     return [f"{http}://{m}" for m in members], prefix, user
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name, or an address, IPv6 in brackets or not) is this machine's loopback:
+    `localhost` or an address in 127.0.0.0/8 or ::1. Names are not resolved: any other one is not."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def plaintext_remote_members(url: str) -> list[str]:
+    """The members (host:port) of an etcd ledger URL reached over plain HTTP on another host: what the
+    ledger holds (every prompt, every token generated) crosses the network readable to them. Empty for
+    `etcd+https://`, for loopback members and for other stores."""
+    address = etcd_address(url)
+    if address is None:
+        return []
+    members = [e.removeprefix("http://") for e in address[0] if e.startswith("http://")]
+    return [m for m in members if not is_loopback_host(m.rpartition(":")[0])]
 
 
 def sqlite_path(url: str) -> str:

@@ -2,11 +2,13 @@
 
 Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) uses the file's merges; a sentencepiece vocabulary
 (`"llama"`) gets its merges derived from the token scores. Control tokens stay whole. The chat template
-stored in the file is rendered with a sandboxed jinja2 environment.
+stored in the file is rendered with a sandboxed jinja2 environment; in a chat, control tokens come only
+from the template: the same text in a message (`<|im_end|>`) is tokenized as the plain text it is.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +43,13 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+# Private-use code points (planes 15 and 16) that stand in for control-token text found in a message
+# while the template renders: one character each, so whatever string filters a template applies treat
+# them as the text they replace would be treated; spelled back as plain text after.
+_STAND_INS = re.compile("[\U000f0000-\U0010ffff]")
+_FIRST_STAND_IN = 0xF0000
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -114,6 +123,15 @@ class GGUFTokenizer:
         self._template = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(
             info.chat_template
         )
+        # Text from clients is tokenized by a copy that never matches control tokens (the flag is the
+        # tokenizer's own state, so the shared one cannot flip it per call: encoding runs on a pool).
+        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        self._control = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        # Longest first: at one position the longest control token wins, as in the tokenizer.
+        spelled = sorted(self._control, key=len, reverse=True)
+        self._control_text = re.compile("|".join(map(re.escape, spelled))) if spelled else None
+        self._template_chars = set(_STAND_INS.findall(info.chat_template))
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | GGUFFile) -> GGUFTokenizer:
@@ -180,5 +198,39 @@ class GGUFTokenizer:
         )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the rendered chat: control tokens where the template writes them, and the text of
+        the messages as plain text, so a message cannot end its turn or open another role's."""
         # The template writes any BOS it wants itself, so none is added here.
-        return self.encode(self.render_chat(messages), add_special=False)
+        control = self._control_text
+        if control is None:
+            return self.encode(self.render_chat(messages), add_special=False)
+        stand_in, spelled = self._stand_ins(messages)
+
+        def disarm(value: Any) -> Any:
+            return control.sub(lambda m: stand_in[m[0]], value) if isinstance(value, str) else value
+
+        text = self.render_chat([{k: disarm(v) for k, v in m.items()} for m in messages])
+        back = str.maketrans(spelled)
+        ids: list[int] = []
+        start = 0
+        for found in control.finditer(text):  # (only the template's are left)
+            ids += self._plain_ids(text[start : found.start()].translate(back))
+            ids.append(self._control[found[0]])
+            start = found.end()
+        return ids + self._plain_ids(text[start:].translate(back))
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+
+    def _stand_ins(self, messages: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str]]:
+        """A private-use character for each control token's text, none that the template or a message
+        holds already (so one a client sent is never spelled back as a control token's text); and the
+        reverse map."""
+        taken = set(self._template_chars)
+        for m in messages:
+            for value in m.values():
+                if isinstance(value, str):
+                    taken.update(_STAND_INS.findall(value))
+        free = (c for c in map(chr, range(_FIRST_STAND_IN, 0x110000)) if c not in taken)
+        stand_in = dict(zip(self._control, free, strict=False))
+        return stand_in, {c: t for t, c in stand_in.items()}

@@ -1,7 +1,8 @@
 """`steadfast bench`: measure any OpenAI-compatible server with the load generator (ops/loadgen.py) — a
 progress bar while it runs, a table and a JSON file of the figures, a PNG of the latency distributions;
 `--compare URL2` measures a second server in the same invocation, in alternating rounds (A B, B A, …: a
-machine that gets slower or faster during the run weighs on both alike), and prints B/A ratios."""
+machine that gets slower or faster during the run weighs on both alike), and prints B/A ratios. Each
+server gets its own key: the first server's is never sent to the second."""
 
 from __future__ import annotations
 
@@ -58,6 +59,15 @@ def _get(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
     for key in path:
         value = value.get(key) if isinstance(value, dict) else None
     return value if isinstance(value, int | float) else None
+
+
+def server_keys(args: argparse.Namespace) -> dict[str, str]:
+    """The Bearer key for each server: A's from --api-key or STEADFAST_API_KEY, B's (--compare) from
+    --compare-api-key or STEADFAST_COMPARE_API_KEY, else none."""
+    keys = {"A": args.api_key or env.api_key()}
+    if args.compare:
+        keys["B"] = args.compare_api_key or env.compare_api_key()
+    return keys
 
 
 def measure(url: str, w: Workload, key: str, model: str, label: str, console: Console) -> tuple[list[Sample], float]:
@@ -123,14 +133,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     servers = {"A": args.url.rstrip("/")}
     if args.compare:
         servers["B"] = args.compare.rstrip("/")
-    key = args.api_key or env.api_key()
+    keys = server_keys(args)
     rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in servers}
     samples: dict[str, list[Sample]] = {n: [] for n in servers}
     for r in range(args.rounds):
         order = list(servers) if r % 2 == 0 else list(servers)[::-1]
         for name in order:
             try:
-                got, wall = measure(servers[name], w, key, args.model, f"round {r + 1} {name} {servers[name]}", console)
+                label = f"round {r + 1} {name} {servers[name]}"
+                got, wall = measure(servers[name], w, keys[name], args.model, label, console)
             except httpx.HTTPError as exc:  # before any request: no model list (nobody there, a wrong key)
                 print(f"steadfast bench: cannot reach {servers[name]}: {exc}", file=sys.stderr)
                 return 1
@@ -188,6 +199,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="", help="the model name to send (default: the server's first)")
     p.add_argument("--api-key", default="", help="Bearer key (default: STEADFAST_API_KEY)")
+    p.add_argument(
+        "--compare-api-key",
+        default="",
+        help="Bearer key for the --compare server (default: STEADFAST_COMPARE_API_KEY; never the first's)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the TTFT and TPOT distributions")
     p.add_argument("--fail-on-error", action="store_true", help="exit 1 when any request failed")

@@ -39,6 +39,7 @@ from steadfast import env, protocol
 from steadfast.config import Config
 from steadfast.kv.arena_file import ArenaSpaceError, check_space, make_arena
 from steadfast.kv.etcd_client import EtcdError
+from steadfast.kv.ledger_address import is_loopback_host, plaintext_remote_members
 from steadfast.kv.ledger_url import sibling_ledger_url, sqlite_url
 from steadfast.kv.moves.curve import CurveUnavailableError, TransferSide, write_deployment_keys
 from steadfast.kv.pool_client import PoolClient
@@ -79,6 +80,29 @@ def hand_keys_to_children(cfg: Config) -> None:
     (which every local user can read); the resume key is made once per deployment, so a restarted
     router accepts the event ids its predecessor sent."""
     env.export_keys(cfg.server.api_key, cfg.server.admin_api_key, env.resume_key() or secrets.token_bytes(32))
+
+
+def warn_exposure(cfg: Config, role: PartRole, join: str = "") -> None:
+    """Log a warning, once at start, for what this deployment leaves open on the network: a router on a
+    non-loopback address with no API key (anyone who reaches it may use /v1), and a ledger or join URL
+    naming etcd members on other hosts over plain HTTP (every prompt and token crosses in clear)."""
+    srv = cfg.server
+    if role is not PartRole.NODE and not srv.api_key and not is_loopback_host(srv.host):
+        log.warning(
+            "the router listens on %s with no API key: anyone who reaches it may use /v1 "
+            "(set server.api_key or STEADFAST_API_KEY, or listen on 127.0.0.1)",
+            srv.host or "every address",
+        )
+    warned: set[str] = set()
+    for url in (cfg.fault_recovery.kv_cache.resolved_ledger_url, join):
+        members = [m for m in plaintext_remote_members(url) if m not in warned]
+        if members:
+            warned.update(members)
+            log.warning(
+                "etcd member(s) %s are reached over plain HTTP: every prompt and generated token in the "
+                "ledger crosses the network unencrypted (use etcd+https://)",
+                ", ".join(members),
+            )
 
 
 @dataclass
@@ -158,6 +182,7 @@ class Launcher:
         spec = arena_spec(cfg, model_cfg)
         cfg_json = json.dumps(cfg.public().to_dict())
         hand_keys_to_children(cfg)
+        warn_exposure(cfg, self.role, self.cluster.members.join_url if self.cluster is not None else "")
         output = f"ipc://{self.run_dir}/outputs"
         if self.cluster is not None and self.role is PartRole.ROUTER:
             self._cfg_json, self._output = cfg_json, self.cluster.outputs

@@ -33,8 +33,10 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     ranks = torch.arange(vocab).unsqueeze(0)
     drop = ranks >= k.unsqueeze(1)
     probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the mass before it already reaches top_p (the top token always stays).
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    # Drop a token when the mass before it already reaches top_p. The top token always stays, named
+    # rather than left to the sum: a top_p under float32's range (1e-50) is 0, which the mass before
+    # the top token (0) reaches, and a row with every token dropped samples token 0.
+    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

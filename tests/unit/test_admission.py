@@ -120,9 +120,10 @@ def test_each_priority_has_a_bounded_queue():
 
 def test_predicted_ttft_refuses_low_first_then_normal_and_never_high():
     s = Service()
-    # 400 prompt tokens queued ahead: a new 64-token request is predicted at one step of 10 ms + 464 x
-    # 1 ms: L1 (over 0.8 x 500 ms), within normal's 500 ms target, over 2 x low's 200 ms.
-    s.flights.append(flight("n0", Priority.NORMAL, 400, 0))
+    # 400 prompt tokens queued ahead (two requests: more than the one worker serves at once, a crowd): a
+    # new 64-token request is predicted at one step of 10 ms + 464 x 1 ms: L1 (over 0.8 x 500 ms), within
+    # normal's 500 ms target, over 2 x low's 200 ms.
+    s.flights += [flight("n0", Priority.NORMAL, 200, 0), flight("n1", Priority.NORMAL, 200, 0)]
     with pytest.raises(APIError) as low:
         s.admit(Priority.LOW)
     assert low.value.status == 429
@@ -131,12 +132,12 @@ def test_predicted_ttft_refuses_low_first_then_normal_and_never_high():
     s.admit(Priority.NORMAL)
     # 440 tokens queued: normal's ~514 ms is over its target; as a burst (within ttft_refuse x it), it waits.
     lenient = Service()
-    lenient.flights = [flight("n0", Priority.NORMAL, 440, 0)]
+    lenient.flights = [flight("n0", Priority.NORMAL, 220, 0), flight("n1", Priority.NORMAL, 220, 0)]
     assert 500 < lenient.admit(Priority.NORMAL).predicted_ttft_ms < 1000
     with pytest.raises(ConfigError):
         DegradationConfig(ttft_refuse=0.5)  # would refuse requests predicted within their target
     strict = Service(ttft_refuse=1.0)  # refused at the target itself
-    strict.flights = [flight("n0", Priority.NORMAL, 440, 0)]
+    strict.flights = [flight("n0", Priority.NORMAL, 220, 0), flight("n1", Priority.NORMAL, 220, 0)]
     with pytest.raises(APIError) as normal:
         strict.admit(Priority.NORMAL)
     assert "over its 500 ms target" in normal.value.message
@@ -148,7 +149,7 @@ def test_predicted_ttft_refuses_low_first_then_normal_and_never_high():
     # A shorter queue (~424 ms): normal's bar passes, low's (2 x its p50 200 ms) does not.
     s = Service()
     s.d.set_level(Level.L4)
-    s.flights = [flight("n", Priority.NORMAL, 350, 0)]
+    s.flights = [flight("n", Priority.NORMAL, 175, 0), flight("m", Priority.NORMAL, 175, 0)]
     s.admit(Priority.NORMAL)
     with pytest.raises(APIError):
         s.admit(Priority.LOW)
@@ -158,7 +159,7 @@ def test_past_its_ttft_target_a_request_waits_while_there_is_capacity_and_is_ref
     """Predicted past its TTFT target but within ttft_refuse (2) x it: admitted while the observed TPOT
     p99 keeps its target (the queue will drain), refused once it does not (no capacity to spare)."""
     s = Service()
-    s.flights = [flight("n0", Priority.NORMAL, 440, 0)]  # a new normal request: ~514 ms predicted
+    s.flights = [flight(f"n{i}", Priority.NORMAL, 220, 0) for i in range(2)]  # a new normal one: ~514 ms
     s.admit(Priority.NORMAL)
     s.d.ended(f"r1-{Priority.NORMAL}")
     for i in range(5):  # streams finishing at 90 ms a token, over the 80 ms TPOT p99 target

@@ -32,6 +32,8 @@ def snap(**kw: float) -> Snapshot:
         tpot_p99_ms=20.0,
         ttft_slo_ms=500.0,
         tpot_slo_ms=80.0,
+        in_flight=6,  # crowded: more in flight than the one worker serves alone
+        workers=1,
     )
     base.update(kw)
     return Snapshot(**base)  # type: ignore[arg-type]
@@ -70,7 +72,7 @@ def test_each_trigger_raises_its_level_at_once_and_says_why(signals, level, why)
 def test_an_idle_servers_predicted_ttft_neither_raises_nor_holds_l1():
     # Nothing queued or running: the prediction is the floor, which admission control cannot lower.
     lad, clock = ladder(min_dwell_s=1)
-    idle = snap(queued=0, load=0.0, predicted_ttft_ms=450, ttft_p99_ms=0.0)
+    idle = snap(queued=0, load=0.0, predicted_ttft_ms=450, ttft_p99_ms=0.0, in_flight=0)
     assert lad.step(idle, rise_only=True) is None and lad.level == Level.L0
     run(lad, clock, snap(predicted_ttft_ms=450), 2)  # busy: the same prediction enters L1
     assert lad.level == Level.L1
@@ -124,6 +126,8 @@ def test_a_window_percentile_over_what_began_since_a_moment():
 
 
 def test_the_level_comes_back_to_l0_one_step_per_dwell_when_load_subsides():
+    """While requests still crowd the service (calmer, but more in flight than workers) the level
+    falls one step per dwell time."""
     lad, clock = ladder(escalate_after_s=1, min_dwell_s=3)
     run(lad, clock, snap(kv_use=0.95, ttft_p99_ms=2000, predicted_ttft_ms=2000), 6)
     assert lad.level == Level.L5
@@ -177,6 +181,59 @@ def test_an_operator_level_holds_until_auto_and_the_controller_resumes_from_it()
     lad.set(None, snap())
     run(lad, clock, snap(), 10)
     assert lad.level == Level.L0
+
+
+def test_released_to_auto_the_level_is_what_the_signals_ask_for_at_once():
+    """An operator's L5 given back to auto with nothing queued: L0 there and then, not after five dwell
+    times (the next request got 503 from a level nothing had caused)."""
+    lad, clock = ladder(min_dwell_s=5)
+    lad.set(Level.L5, snap())
+    clock.t += 1
+    change = lad.set(None, snap(in_flight=0, queued=0, load=0.0))
+    assert change is not None and change.new == Level.L0 and not change.manual
+    assert "automatic control resumed" in change.reason
+    lad.set(Level.L5, snap())
+    change = lad.set(None, snap(kv_use=0.87))  # KV still over its bar: back to what it holds
+    assert change is not None and change.new == Level.L2
+
+
+def test_a_slow_machine_serving_one_request_at_a_time_stays_at_l0():
+    """Every latency signal far over its target, but never more in flight than workers: no queue, no
+    sharing, nothing for the ladder to shed, so for ten minutes of ticks it never leaves L0."""
+    rng = random.Random(3)
+    lad, clock = ladder()
+    for i in range(1200):
+        clock.t += 0.5
+        slow = snap(
+            in_flight=i % 2,  # one request at a time, or none between them
+            workers=1,
+            queued=i % 2,
+            load=rng.uniform(1.0, 4.0),
+            predicted_ttft_ms=rng.uniform(300, 2000),
+            ttft_p99_ms=rng.uniform(400, 3000),
+            tpot_p99_ms=rng.uniform(80, 300),
+        )
+        lad.step(slow, rise_only=i % 3 == 0)
+    assert lad.level == Level.L0 and not lad.history
+    # The same figures with a crowd: the ladder acts.
+    run(lad, clock, snap(ttft_p99_ms=1600, tpot_p99_ms=300, predicted_ttft_ms=2000), 30)
+    assert lad.level == Level.L5
+
+
+def test_once_the_crowd_is_gone_the_level_falls_in_one_move_after_its_dwell():
+    """A burst took the level to L5; it ended, its slow requests still in the window: the level falls to
+    L0 in one move once held its dwell (25 s at one level a dwell, past a client's patience), and to L2
+    where KV still holds it."""
+    lad, clock = ladder(escalate_after_s=1, min_dwell_s=3)
+    run(lad, clock, snap(ttft_p99_ms=2000, predicted_ttft_ms=2000), 6)
+    assert lad.level == Level.L5
+    gone = snap(in_flight=1, queued=0, ttft_p99_ms=2000, tpot_p99_ms=300, level_ttft_p99_ms=2000)
+    run(lad, clock, gone, 3.5)
+    assert lad.level == Level.L0 and "nothing queued or shared" in lad.history[-1].reason
+    run(lad, clock, snap(ttft_p99_ms=2000, predicted_ttft_ms=2000), 6)
+    assert lad.level == Level.L5
+    run(lad, clock, snap(in_flight=0, kv_use=0.78), 3.5)
+    assert lad.level == Level.L2
 
 
 def test_a_disabled_ladder_never_moves_by_itself():

@@ -27,6 +27,16 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
         assert sample(logits, [SamplingParams(temperature=1.0, top_p=0.01, seed=seed)], [0]) == [1]
 
 
+def test_a_top_p_below_float32s_range_keeps_the_top_token():
+    # 1e-50 is 0 in float32: the top token must stay all the same (it did not: token 0 every step).
+    logits = logits_of(0.2, 0.5, 0.3)
+    for seed in range(20):
+        assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-50, seed=seed)], [0]) == [1]
+    batch = torch.cat([logits_of(0.1, 0.2, 0.7), logits])  # with a row that filters nothing
+    params = [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0.8, top_p=1e-50, seed=3)]
+    assert sample(batch, params, [0, 0])[1] == 1
+
+
 def test_top_k_excludes_the_tail():
     logits = logits_of(0.4, 0.35, 0.25)
     drawn = {sample(logits, [SamplingParams(top_k=2, seed=s)], [0])[0] for s in range(200)}

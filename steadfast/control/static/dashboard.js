@@ -55,6 +55,7 @@ function render(s) {
   badge.className = "level l" + lv.level;
   badge.dataset.level = String(lv.level);
   $("level-text").textContent = lv.action + " (" + lv.mode + ", " + lv.since_s + " s)" + (lv.reason ? ": " + lv.reason : "");
+  $("level-hardware").textContent = lv.hardware || "";
   $("updated").textContent = "updated " + clock(s.now);
   renderSlo(s.slo);
   renderCharts(s.slo.normal.target_ms);
