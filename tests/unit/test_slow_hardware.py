@@ -118,3 +118,12 @@ def test_slow_solo_figures_do_not_move_the_level_while_one_request_runs():
         s.d.finished(f"r{i}", Priority.NORMAL, 0.110, 127)
         s.tick()
         assert s.d.ladder.level == Level.L0, s.d.ladder.reason
+
+
+def test_what_requests_measured_bounds_a_step_line_lifted_by_preempted_steps():
+    s = SlowService(base_ms=540.0)  # the line says 546 ms a token alone
+    for i in range(20):
+        s.d.finished(f"r{i}", Priority.NORMAL, 0.040, 64)  # streams measured 40 ms a token
+    s.tick(3)
+    assert s.d.attainable.figures[Latency.TPOT].attainable
+    assert s.d.judged_ms(Latency.TPOT, Priority.NORMAL) == 80
