@@ -10,7 +10,6 @@ accepted request is ever failed by the ladder: refusals happen at admission, bef
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -18,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
-from steadfast.control.attainable import Attainability, Latency, Verdict
+from steadfast.control.attainable import Attainability, Latency
 from steadfast.control.delivery import Flight
 from steadfast.control.errors import APIError
 from steadfast.control.ladder import Ladder, Level, LevelChange, Snapshot
@@ -113,7 +112,6 @@ class Degradation:
     src: Sources
     on_change: Callable[[LevelChange], None] | None = None  # metrics
     on_refuse: Callable[[Priority, int], None] | None = None  # metrics: priority, status
-    on_verdict: Callable[[Verdict], None] | None = None  # an SLO found (un)attainable on this hardware
     ladder: Ladder = field(init=False)
     latencies: dict[Priority, Latencies] = field(init=False)
     _unplaced: dict[str, Queued] = field(default_factory=dict)
@@ -192,13 +190,17 @@ class Degradation:
         target = mine.p50 if p50 else mine.p99
         return target * self.attainable.judged_ms(latency, base.p99) / base.p99
 
+    def slo_ms(self) -> dict[Latency, float]:
+        """The normal priority's p99 targets, which the hardware's solo figures are held against."""
+        normal = self.slo.targets(Priority.NORMAL)
+        return {Latency.TTFT: normal.ttft_ms.p99, Latency.TPOT: normal.tpot_ms.p99}
+
     def solo_ms(self, loads: list[WorkerLoad]) -> dict[Latency, float]:
         """The hardware's solo figures now, on the fastest measured serving worker (0: none measured): a
         typical prompt's TTFT and a decode step of one row."""
-        measured = [w for w in loads if w.measured]
-        if not measured:
+        alone = [w.alone() for w in loads if w.measured]
+        if not alone:
             return {Latency.TTFT: 0.0, Latency.TPOT: 0.0}
-        alone = [dataclasses.replace(w, kv_used=0, running=[], queued=[]) for w in measured]
         ttft = min(predict_ttft(w, TYPICAL_PROMPT, Priority.NORMAL, self.sched, self.block_size) for w in alone)
         return {Latency.TTFT: 1000 * ttft, Latency.TPOT: 1000 * min(w.decode_step_s(1) for w in alone)}
 
@@ -281,8 +283,7 @@ class Degradation:
             self._check_ttft(loads, priority, level, prompt_tokens, cached, predicted)
         tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
         if refused_by_prediction(priority, level) and level >= tpot_from and self.tpot_model.trusted:
-            alone = dataclasses.replace(chosen, running=[], queued=[]) if chosen is not None else None
-            solo = alone.tpot_s(prompt_tokens, output_tokens) if alone is not None else 0.0
+            solo = chosen.alone().tpot_s(prompt_tokens, output_tokens) if chosen is not None else 0.0
             factor = self.tpot_model.factor
             self._check_tpot(priority, level, factor * own_tpot, factor * solo)
         plan = Plan(level, predicted_ttft_ms=1000 * predicted)
@@ -334,7 +335,7 @@ class Degradation:
         that alone takes longer than the target is judged by what others add to it. Retry-After: until
         the queue ahead has drained to the target."""
         bar = self.judged_ms(Latency.TTFT, priority, p50=priority != Priority.NORMAL) / 1000
-        idle = [dataclasses.replace(w, kv_used=0, running=[], queued=[]) for w in loads]
+        idle = [w.alone() for w in loads]
         bar = max(bar, self.cfg.solo_headroom * self._predict(idle, prompt_tokens, priority, cached)[0])
         overloaded = self._capacity_p99_ms > self.judged_ms(Latency.TPOT, Priority.NORMAL)
         factor = 1.0 if overloaded else self.cfg.ttft_refuse
@@ -418,9 +419,8 @@ class Degradation:
             await self.src.broadcast(orders)
 
     def _judge_hardware(self) -> None:
-        """The hardware's solo figures against the targets; a change said once (log and history)."""
-        normal = self.slo.targets(Priority.NORMAL)
-        targets = {Latency.TTFT: normal.ttft_ms.p99, Latency.TPOT: normal.tpot_ms.p99}
+        """The hardware's solo figures against the targets; a change said once (a log line)."""
+        targets = self.slo_ms()
         now = time.monotonic()
         lat = self.latencies[Priority.NORMAL]
         # What requests measured bounds the step-cost line's figure: with other processes on the cores a
@@ -431,12 +431,7 @@ class Degradation:
                 solo = min(solo, 1000 * observed[latency])
             verdict = self.attainable.observe(latency, solo, targets[latency])
             if verdict is not None:
-                self._said(verdict)
-
-    def _said(self, verdict: Verdict) -> None:
-        (log.info if verdict.attainable else log.warning)("%s", verdict.message())
-        if self.on_verdict is not None:
-            self.on_verdict(verdict)
+                (log.info if verdict.attainable else log.warning)("%s", verdict.message())
 
     def orders(self, s: Snapshot) -> Degrade:
         """What running work gives up at the current level (the seed's L2 rules: high priority keeps

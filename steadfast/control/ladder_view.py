@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from steadfast.control.attainable import Latency
 from steadfast.control.degrade import TYPICAL_OUTPUT, TYPICAL_PROMPT, Degradation, refused_by_prediction
 from steadfast.control.ladder import Level
 from steadfast.control.signals import WorkerLoad, predict_ttft
@@ -46,8 +45,7 @@ def admission(level: Level, priority: Priority, high_reserve: int) -> str:
 
 def hardware(d: Degradation) -> dict[str, dict[str, object]]:
     """Each latency target against what the hardware does alone, and what the ladder judges against."""
-    normal = d.slo.targets(Priority.NORMAL)
-    return d.attainable.view({Latency.TTFT: normal.ttft_ms.p99, Latency.TPOT: normal.tpot_ms.p99})
+    return d.attainable.view(d.slo_ms())
 
 
 def hardware_message(d: Degradation) -> str:

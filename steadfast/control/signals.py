@@ -5,6 +5,7 @@ Pure: no I/O, no clock of its own (callers pass `now`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -92,6 +93,10 @@ class WorkerLoad:
     @property
     def measured(self) -> bool:
         return self.decode_s > 0 and self.prefill_s > 0
+
+    def alone(self) -> WorkerLoad:
+        """This worker with nothing placed on it and its KV free: what a request would get there alone."""
+        return dataclasses.replace(self, kv_used=0, running=[], queued=[])
 
     @property
     def kv_use(self) -> float:
