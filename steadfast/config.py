@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from steadfast import env
+from steadfast.config_access import AccessConfig, ApiKey
 from steadfast.config_base import ConfigError, parse_duration
 from steadfast.config_health import HealthConfig, RoutingConfig, RoutingPolicy
 from steadfast.config_ladder import DegradationConfig, SloConfig
@@ -36,6 +37,8 @@ from steadfast.config_recovery import (
 # they are all named here too.
 __all__ = [
     "RECOVERY_MODES",
+    "AccessConfig",
+    "ApiKey",
     "Config",
     "ConfigError",
     "DegradationConfig",
@@ -317,7 +320,7 @@ class ServerConfig:
     # Limits on what one client may send, so nobody can starve the others.
     max_body_bytes: int = 4 * 2**20  # request body; 413 beyond
     max_messages: int = 1024  # chat messages per request
-    max_prompt_chars: int = 1_000_000  # characters of prompt (all messages' text) per request
+    max_prompt_chars: int = 1_000_000  # characters of prompt (all messages' text) and stop strings per request
     # Requests admitted and not finished, over all workers; beyond, new ones get 429 + Retry-After.
     max_pending_requests: int = 1024
     # HTTP requests being served at once (streams included); beyond, 429 + Retry-After.
@@ -327,6 +330,11 @@ class ServerConfig:
     # SIGTERM / Ctrl-C to `steadfast serve`: new requests are refused (503) and those in flight get this
     # long to finish; the rest then end with an error event saying the server shut down.
     shutdown_timeout: float = field(default=30.0, metadata={"duration": True})
+    # An SSE stream with nothing to send this long gets a comment line (`: keep-alive`, ignored by SSE
+    # clients), so a request that waits (queued, moved to another worker, a resume waiting its turn)
+    # keeps its connection through proxies and clients that drop idle ones (60 s at nginx and most load
+    # balancers, less at some), even when the busy router writes it a few seconds late.
+    sse_keepalive: float = field(default=10.0, metadata={"duration": True})
 
     @property
     def computing_workers(self) -> int:
@@ -359,6 +367,8 @@ class ServerConfig:
             raise ConfigError("server needs at least one worker (workers, or prefill_workers + decode_workers)")
         if self.startup_timeout_s <= 0 or self.status_interval_s <= 0:
             raise ConfigError("server timeouts must be positive")
+        if self.sse_keepalive <= 0:
+            raise ConfigError("server.sse_keepalive must be positive")
 
 
 @dataclass(frozen=True)
@@ -375,6 +385,7 @@ class Config:
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
 
     def __post_init__(self) -> None:
         if self.server.prefill_workers and not self.fault_recovery.kv_cache.external_ledger:
@@ -390,16 +401,22 @@ class Config:
 
     def public(self) -> Config:
         """This config without its secrets, for command lines; children read keys from `env`."""
-        return dataclasses.replace(self, server=dataclasses.replace(self.server, api_key="", admin_api_key=""))
+        server = dataclasses.replace(self.server, api_key="", admin_api_key="")
+        return dataclasses.replace(self, server=server, access=dataclasses.replace(self.access, keys=()))
 
     def with_env_keys(self) -> Config:
-        """Keys unset in the config taken from the environment (STEADFAST_API_KEY, STEADFAST_ADMIN_KEY)."""
+        """Keys unset in the config taken from the environment (STEADFAST_API_KEY, STEADFAST_ADMIN_KEY,
+        STEADFAST_API_KEYS)."""
         server = dataclasses.replace(
             self.server,
             api_key=self.server.api_key or env.api_key(),
             admin_api_key=self.server.admin_api_key or env.admin_api_key(),
         )
-        return dataclasses.replace(self, server=server)
+        access = self.access
+        if not access.keys and (listed := env.api_keys()):
+            keys = tuple(_build(ApiKey, item, f"STEADFAST_API_KEYS[{i}]") for i, item in enumerate(listed))
+            access = dataclasses.replace(access, keys=keys)
+        return dataclasses.replace(self, server=server, access=access)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
@@ -430,6 +447,8 @@ def _build(cls: type, values: Any, where: str) -> Any:
         want = hints[key]
         if dataclasses.is_dataclass(want):
             typed[key] = _build(want, value, path)
+        elif typing.get_origin(want) is tuple:
+            typed[key] = _sequence(value, typing.get_args(want)[0], path)
         elif fields[key].metadata.get("duration"):
             typed[key] = parse_duration(value, path)
         elif fields[key].metadata.get("switch") and isinstance(value, bool):
@@ -437,6 +456,15 @@ def _build(cls: type, values: Any, where: str) -> Any:
         else:
             typed[key] = _coerce(value, want.__name__, path)
     return cls(**typed)
+
+
+def _sequence(value: Any, item: type, where: str) -> tuple[Any, ...]:
+    """A YAML list as a tuple of `item` (a section's dataclass, or a plain type)."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where} must be a list")
+    if dataclasses.is_dataclass(item):
+        return tuple(_build(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    return tuple(_coerce(v, item.__name__, f"{where}[{i}]") for i, v in enumerate(value))
 
 
 def _coerce(value: Any, type_name: str, where: str) -> Any:

@@ -7,6 +7,7 @@ called, not at import.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +114,27 @@ def compare_api_key() -> str:
     return os.environ.get("STEADFAST_COMPARE_API_KEY", "")
 
 
+# Bounds on STEADFAST_API_KEYS before it is parsed (the config then checks each key).
+MAX_API_KEYS_CHARS = 256 * 1024
+
+
+def api_keys() -> list[dict[str, object]]:
+    """STEADFAST_API_KEYS: a JSON list of client keys, each `{name, key, max_priority, max_concurrent}`,
+    used when `access.keys` is empty. ConfigError when it is not such a list."""
+    value = os.environ.get("STEADFAST_API_KEYS", "").strip()
+    if not value:
+        return []
+    if len(value) > MAX_API_KEYS_CHARS:
+        raise ConfigError(f"STEADFAST_API_KEYS is longer than {MAX_API_KEYS_CHARS} characters")
+    try:
+        listed = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(f"STEADFAST_API_KEYS is not JSON: {exc}") from None
+    if not isinstance(listed, list) or not all(isinstance(item, dict) for item in listed):
+        raise ConfigError('STEADFAST_API_KEYS must be a JSON list of {"name", "key", "max_priority"} objects')
+    return listed
+
+
 def admin_api_key() -> str:
     """STEADFAST_ADMIN_KEY: the key /admin/* asks for when `server.admin_api_key` is unset."""
     return os.environ.get("STEADFAST_ADMIN_KEY", "")
@@ -143,8 +165,10 @@ def resume_key() -> bytes:
     return key
 
 
-def export_keys(api_key: str, admin_api_key: str, resume: bytes) -> None:
+def export_keys(api_key: str, admin_api_key: str, resume: bytes, client_keys: list[dict[str, object]]) -> None:
     """Put the deployment's keys in this process's environment, for the children it starts to inherit."""
+    if client_keys:
+        os.environ["STEADFAST_API_KEYS"] = json.dumps(client_keys)
     if api_key:
         os.environ["STEADFAST_API_KEY"] = api_key
     if admin_api_key:

@@ -106,13 +106,14 @@ def add_migration_routes(app: FastAPI, ctx: ServingContext) -> None:
         return client.maintenance.rollout.view()
 
     @app.post("/admin/workers/{worker_id}/drain", status_code=202, responses=CONFLICT)
-    async def drain(worker_id: int) -> dict[str, Any]:
+    async def drain(worker_id: int, force: bool = False) -> dict[str, Any]:
         """Stop sending worker `worker_id` new requests, migrate its requests to others, then retire it
-        (it exits; the supervisor starts no replacement). Returns at once; `GET /admin/workers` shows it."""
+        (it exits; the supervisor starts no replacement). Returns at once; `GET /admin/workers` shows it.
+        409 for the last worker serving its role unless `force=true` (the service then stops serving)."""
         if not 0 <= worker_id <= WORKER_ID_MAX:
             raise APIError("worker id out of range", 400, param="worker_id")
         try:
-            client.maintenance.drain(worker_id)
+            client.maintenance.drain(worker_id, force)
         except MigrationError as exc:
             raise fail(exc) from None
         w = client.registry.get(worker_id)

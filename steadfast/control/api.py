@@ -31,7 +31,7 @@ from steadfast.control.errors import (
     http_error_handler,
     validation_error_handler,
 )
-from steadfast.control.guard import Guard, GuardConfig
+from steadfast.control.guard import Guard, GuardConfig, identity_of
 from steadfast.control.health import Standing
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.serving import ServingContext, admit, check_model
@@ -266,6 +266,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
     @app.post("/v1/completions", responses=ANSWERS)
     async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(ctx, body)
+        body.priority = served_priority(body.priority, http)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -276,7 +277,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError("'prompt' must not be empty.", param="prompt")
-            check_chars(ctx, len(prompt), "prompt")
+            check_chars(ctx, body, len(prompt), "prompt")
             ids = await tokenized(ctx, "prompt", ctx.tokenizer.encode, prompt)
         else:
             ids = list(prompt)
@@ -284,6 +285,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
                 raise APIError("'prompt' must not be empty.", param="prompt")
             if any(t < 0 or t >= ctx.tokenizer.vocab_size for t in ids):
                 raise APIError(f"Token ids in 'prompt' must be in [0, {ctx.tokenizer.vocab_size}).", param="prompt")
+            check_chars(ctx, body, 0, "prompt")  # (no text: the stop strings alone)
         ensure_ready()
         ctx.check_pending()
 
@@ -300,6 +302,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
     @app.post("/v1/chat/completions", responses=ANSWERS)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(ctx, body)
+        body.priority = served_priority(body.priority, http)
         if len(body.messages) > ctx.limits.max_messages:
             raise APIError(
                 f"This request has {len(body.messages)} messages; the limit is {ctx.limits.max_messages}.",
@@ -307,7 +310,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
                 code="too_many_messages",
             )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        check_chars(ctx, sum(len(m["content"]) for m in messages), "messages")
+        check_chars(ctx, body, sum(len(m["content"]) for m in messages), "messages")
         ids = await tokenized(ctx, "messages", ctx.tokenizer.encode_chat, messages)
         ensure_ready()
         ctx.check_pending()
@@ -325,17 +328,30 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
     return app
 
 
+def served_priority(asked: str, http: Request) -> str:
+    """The priority a request is served at: what it asked for, bounded by what its caller may claim (its
+    key's highest; without keys, `access.client_priority`). Never refused for asking: served lower."""
+    identity = identity_of(http.state)
+    return identity.priority(asked) if identity is not None else asked
+
+
 def resuming(body: CompletionRequest | ChatCompletionRequest, http: Request) -> bool:
     """A streamed request with Last-Event-ID continues an accepted one (streams.reconnect checks it)."""
     return bool(body.stream and http.headers.get("last-event-id"))
 
 
-def check_chars(ctx: ServingContext, chars: int, param: str) -> None:
-    if chars > ctx.limits.max_prompt_chars:
+def check_chars(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest, chars: int, param: str) -> None:
+    """The prompt's characters and the stop strings' together within `max_prompt_chars`: both travel
+    with the request to its worker and into its ledger record."""
+    limit = ctx.limits.max_prompt_chars
+    stop = sum(len(s) for s in body.stop_list)
+    if chars > limit:
+        raise APIError(f"The prompt has {chars} characters; the limit is {limit}.", param=param, code="prompt_too_long")
+    if chars + stop > limit:
         raise APIError(
-            f"The prompt has {chars} characters; the limit is {ctx.limits.max_prompt_chars}.",
-            param=param,
-            code="prompt_too_long",
+            f"The stop sequences have {stop} characters and the prompt {chars}; together they may have {limit}.",
+            param="stop",
+            code="stop_too_long",
         )
 
 

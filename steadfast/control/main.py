@@ -15,11 +15,13 @@ import uvicorn
 from steadfast import env
 from steadfast.cluster_keys import ClusterKeys, ClusterSide
 from steadfast.config import config_from_dict
+from steadfast.control.access import own_names
 from steadfast.control.api import create_app
 from steadfast.control.dashboard import Dashboard
 from steadfast.control.degrade import Degradation, Sources
 from steadfast.control.engine_client import EngineClient
 from steadfast.control.guard import GuardConfig
+from steadfast.control.http_limits import bounded_protocol
 from steadfast.control.membership import Membership
 from steadfast.control.metrics import Metrics
 from steadfast.control.resume_token import ResumeSigner
@@ -83,6 +85,7 @@ async def serve(
         metrics=Metrics(),
         signer=ResumeSigner(env.resume_key()),
         limits=Limits(srv.max_messages, srv.max_prompt_chars, srv.max_pending_requests),
+        keepalive_s=srv.sse_keepalive,
     )
     ctx.degradation = Degradation(
         cfg.degradation,
@@ -101,7 +104,15 @@ async def serve(
     client.on_migration = ctx.metrics.migration
     shutdown = Shutdown()
     guard = GuardConfig(
-        srv.api_key, srv.admin_api_key, srv.open_metrics, srv.max_body_bytes, srv.max_connections, shutdown
+        srv.api_key,
+        srv.admin_api_key,
+        srv.open_metrics,
+        srv.max_body_bytes,
+        srv.max_connections,
+        shutdown,
+        cfg.access,
+        (srv.host,),
+        own_names(),
     )
     dashboard = Dashboard(ctx)
     sampler = asyncio.create_task(dashboard.run())
@@ -112,7 +123,16 @@ async def serve(
         os.nice(cfg.server.router_nice)
     server = GracefulServer(
         uvicorn.Config(
-            app, host=cfg.server.host, port=cfg.server.port, log_level="warning", timeout_graceful_shutdown=5
+            app,
+            host=cfg.server.host,
+            port=cfg.server.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            http=bounded_protocol(cfg.access.header_timeout, cfg.access.max_header_bytes),
+            # X-Forwarded-For names the client only when it comes from a proxy the operator named
+            # (uvicorn's default believes any loopback peer).
+            proxy_headers=bool(cfg.access.trusted_proxies),
+            forwarded_allow_ips=list(cfg.access.trusted_proxies) or None,
         ),
         shutdown,
     )

@@ -60,17 +60,29 @@ class Maintenance:
         task = self._drains.get(worker_id)
         return task is not None and not task.done()
 
-    def drain(self, worker_id: int) -> None:
+    def drain(self, worker_id: int, force: bool = True) -> None:
         """Take worker `worker_id` out of placement, migrate every request on it away (those not movable
-        yet are asked again, the ones nobody can take finish there), then tell it to retire."""
+        yet are asked again, the ones nobody can take finish there), then tell it to retire. Unless
+        `force`, refused (409) for the last worker serving its role: nothing would take new requests."""
         w = self.registry.get(worker_id)
         if w is None or w.dead:
             raise MigrationError(f"no worker {worker_id} is alive", 404)
+        if not force and not w.draining and w.active and not self._others_serving(w):
+            raise MigrationError(
+                f"worker {worker_id} is the last serving {w.role.value} worker: drained, nothing would take new "
+                "requests; drain it with force to stop serving",
+                409,
+            )
         w.draining = True
         if not self.draining(worker_id):
             n = len(self._owned(worker_id))
             self.timeline.note(EventKind.DRAIN, f"draining worker {worker_id}", f"{n} request(s) to move", worker_id)
             self._drains[worker_id] = asyncio.ensure_future(self._drain(w))
+
+    def _others_serving(self, w: WorkerHandle) -> bool:
+        return any(
+            o.worker_id != w.worker_id and o.role == w.role and not o.dead and not o.leaving for o in self.registry
+        )
 
     async def _drain(self, w: WorkerHandle) -> None:
         log.warning("draining worker %d: its requests migrate to other workers", w.worker_id)

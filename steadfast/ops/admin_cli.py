@@ -22,6 +22,9 @@ def call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] 
     key = env.admin_api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
+        # (a JSON body even when empty: the router takes admin writes only as JSON, which no page of
+        # another site can send it unasked)
+        body = body if body is not None or method == "GET" else {}
         r = httpx.request(method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=args.timeout)
     except httpx.HTTPError as exc:
         raise AdminError(f"cannot reach {args.url}: {exc}") from None
@@ -38,7 +41,7 @@ def _worker(args: argparse.Namespace, worker_id: int) -> dict[str, Any] | None:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    answer = call(args, "POST", f"/admin/workers/{args.worker}/drain")
+    answer = call(args, "POST", f"/admin/workers/{args.worker}/drain" + ("?force=true" if args.force else ""))
     print(f"draining worker {args.worker}: {answer['requests']} requests to migrate", flush=True)
     if args.no_wait:
         return 0
@@ -98,6 +101,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     common(drain)
     drain.add_argument("worker", type=int, help="worker id (GET /admin/workers)")
     drain.add_argument("--no-wait", action="store_true", help="return once the drain has started")
+    drain.add_argument("--force", action="store_true", help="drain even the last worker serving its role")
     drain.set_defaults(func=cmd_drain)
 
     migrate = sub.add_parser("migrate", help="move one running request to another worker")

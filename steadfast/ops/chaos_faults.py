@@ -119,7 +119,7 @@ class Drain(Fault):
 
     def strike(self) -> str:
         w = self.r.busiest()
-        r = httpx.post(f"{self.r.url}/admin/workers/{w['id']}/drain", timeout=10)
+        r = httpx.post(f"{self.r.url}/admin/workers/{w['id']}/drain", json={}, timeout=10)
         r.raise_for_status()
         return f"worker {w['id']} drained ({w['in_flight']} requests)"
 

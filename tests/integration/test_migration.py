@@ -225,7 +225,7 @@ def test_draining_the_busiest_worker_under_load_loses_nothing(server, want):
     busiest = max(rows, key=lambda w: w["in_flight"])
     assert busiest["in_flight"] > 0
     drained = busiest["id"]
-    r = httpx.post(server.url + f"/admin/workers/{drained}/drain")
+    r = httpx.post(server.url + f"/admin/workers/{drained}/drain", json={})
     assert r.status_code == 202, r.text
     # While it drains, its count of requests only goes down: it got nothing new.
     seen = []

@@ -18,9 +18,12 @@ from steadfast.control.serving import ServingContext
 pytestmark = pytest.mark.unit
 
 
-def scope(path: str, host: str = "127.0.0.1", token: str = "") -> dict:
-    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-    return {"type": "http", "path": path, "client": (host, 5555), "headers": headers}
+def scope(path: str, host: str = "127.0.0.1", token: str = "", **headers: str) -> dict:
+    sent = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    sent += [(name.replace("_", "-").encode(), value.encode()) for name, value in headers.items()]
+    if "host" not in headers:
+        sent.append((b"host", b"127.0.0.1:8000"))
+    return {"type": "http", "method": "GET", "path": path, "client": (host, 5555), "headers": sent}
 
 
 def status(s: dict, cfg: GuardConfig) -> int:
@@ -106,7 +109,7 @@ def test_calls_over_the_connection_limit_get_429_and_bodies_over_the_limit_413()
         async def send(message):
             sent.append(message)
 
-        await guard({**scope("/v1/completions"), "headers": headers or []}, receive, send)
+        await guard({**scope("/v1/completions"), "headers": [*(headers or []), (b"host", b"localhost")]}, receive, send)
         return sent
 
     async def run() -> None:

@@ -88,7 +88,7 @@ def client(tok):
     # Enough of a router for a request to reach its admission: one ready worker, nothing pending.
     engine = SimpleNamespace(workers=[SimpleNamespace(ready=True, status=None)], pending=0)
     ctx = ServingContext(engine, tok, "m", 2048, 16, None)  # type: ignore[arg-type]
-    with TestClient(create_app(ctx), raise_server_exceptions=False) as c:
+    with TestClient(create_app(ctx), base_url="http://localhost", raise_server_exceptions=False) as c:
         yield c
 
 
