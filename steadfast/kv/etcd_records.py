@@ -7,7 +7,10 @@
     {prefix}/lease/{worker}         a worker's lease: epoch, pid, state, TTL, the etcd lease behind it
     {prefix}/alive/{worker}         the epoch it holds live, attached to that etcd lease: gone when etcd's clock
                                     says it expired, and deleted by a fence or a release
-    {prefix}/req/{request id}       a request's checkpoint
+    {prefix}/req/{request id}       a request's checkpoint: what changes as it runs (tokens, owner, phase)
+    {prefix}/body/{request id}/{k:06d}  part k of its body (prompt ids, sampling parameters), written once and
+                                    cut into BODY_PART bytes: no value nears etcd's request limit, however
+                                    long the prompt or the stop strings, and no checkpoint writes it again
     {prefix}/move/{session}         a KV move's decision, attached to an hour-long etcd lease
     {prefix}/tier/{tier}            how many slots the offload tier has
     {prefix}/slots/{tier}/{group}   GROUP slots' records
@@ -22,6 +25,7 @@ from urllib.parse import quote, unquote
 import msgspec
 
 GROUP = 64  # blocks (or slots) per key
+BODY_PART = 256 * 1024  # bytes of a request's body per key
 
 
 class LeaseRec(msgspec.Struct, array_like=True):
@@ -53,7 +57,7 @@ class SlotRec(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class RequestRec(msgspec.Struct, array_like=True):
-    prompt: list[int]
+    prompt: list[int]  # empty: in the body's keys (inline only in rows written before bodies were kept apart)
     params: str
     generated: list[int]
     delivered: int
@@ -62,6 +66,14 @@ class RequestRec(msgspec.Struct, array_like=True):
     phase: str
     blocks: list[int]
     updated: float  # wall clock
+    body: int = 0  # parts of its body under body/{request id}/; 0: none written yet (or inline, as above)
+
+
+class BodyRec(msgspec.Struct, array_like=True):
+    """What a request was asked with, the same at every checkpoint: kept once, apart from its row."""
+
+    prompt: list[int]
+    params: str
 
 
 class MoveRec(msgspec.Struct, array_like=True):
@@ -75,6 +87,7 @@ _slot_group = msgspec.msgpack.Decoder(list[SlotRec])
 _lease = msgspec.msgpack.Decoder(LeaseRec)
 _request = msgspec.msgpack.Decoder(RequestRec)
 _move = msgspec.msgpack.Decoder(MoveRec)
+_body = msgspec.msgpack.Decoder(BodyRec)
 
 
 def encode(value: object) -> bytes:
@@ -101,6 +114,16 @@ def move_of(raw: bytes) -> MoveRec:
     return _move.decode(raw)
 
 
+def body_parts(body: BodyRec) -> list[bytes]:
+    """`body` encoded and cut into values of at most BODY_PART bytes."""
+    raw = encode(body)
+    return [raw[i : i + BODY_PART] for i in range(0, len(raw), BODY_PART)]
+
+
+def body_of(parts: list[bytes]) -> BodyRec:
+    return _body.decode(b"".join(parts))
+
+
 class Keys:
     """The keys of one ledger, all under `prefix` (a node's namespace in a shared cluster)."""
 
@@ -112,6 +135,7 @@ class Keys:
         self.lease_dir = self.root + b"lease/"
         self.alive_dir = self.root + b"alive/"
         self.req_dir = self.root + b"req/"
+        self.body_dir = self.root + b"body/"
         self.move_dir = self.root + b"move/"
         self.tier_dir = self.root + b"tier/"
 
@@ -126,6 +150,13 @@ class Keys:
 
     def request(self, request_id: str) -> bytes:
         return self.req_dir + _name(request_id)
+
+    def body(self, request_id: str) -> bytes:
+        """The prefix of a request's body parts."""
+        return self.body_dir + _name(request_id) + b"/"
+
+    def body_part(self, request_id: str, index: int) -> bytes:
+        return self.body(request_id) + b"%06d" % index
 
     def move(self, session: str) -> bytes:
         return self.move_dir + _name(session)

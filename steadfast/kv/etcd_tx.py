@@ -50,11 +50,13 @@ MAX_OPS = 128  # etcd's default --max-txn-ops: compares, and separately the oper
 
 class ReadCache:
     """Keys this ledger object last read or wrote: key -> (mod revision, value or None where absent),
-    the most recent `size`; shared by its threads."""
+    the most recent `size` holding at most `max_bytes` of values; shared by its threads."""
 
-    def __init__(self, size: int = 2048) -> None:
+    def __init__(self, size: int = 2048, max_bytes: int = 16 * 2**20) -> None:
         self.size = size
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[bytes, tuple[int, bytes | None]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, key: bytes) -> tuple[int, bytes | None] | None:
@@ -68,15 +70,20 @@ class ReadCache:
         # No check that it is newer than what is there: an absent key has no revision to order by,
         # and a stale entry only costs a failed comparison, which refreshes it.
         with self._lock:
+            self._pop(key)
             self._entries[key] = (revision, value)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+            self._bytes += len(value or b"")
+            while len(self._entries) > self.size or self._bytes > self.max_bytes:
+                self._pop(next(iter(self._entries)))
 
     def drop(self, keys: Iterable[bytes]) -> None:
         with self._lock:
             for key in keys:
-                self._entries.pop(key, None)
+                self._pop(key)
+
+    def _pop(self, key: bytes) -> None:
+        _, value = self._entries.pop(key, (0, None))
+        self._bytes -= len(value or b"")
 
 
 class Tx:
@@ -89,6 +96,7 @@ class Tx:
         self.tracked: set[bytes] = set()
         self.cached: set[bytes] = set()  # tracked reads served from the cache, not yet confirmed
         self.writes: dict[bytes, tuple[bytes | None, int]] = {}  # key -> (value, or None to delete; lease)
+        self.prefix_deletes: list[bytes] = []
         # Where this attempt stands in etcd's order: 2 x the revision it committed at, or 2 x the revision
         # it read at + 1 (a read sees the state after that revision's writes).
         self.order = 0
@@ -155,6 +163,11 @@ class Tx:
     def delete(self, key: bytes) -> None:
         self._write(key, None, 0)
 
+    def delete_prefix(self, prefix: bytes) -> None:
+        """Delete every key under `prefix`, uncompared: only for keys deleted together with one this
+        transaction writes (a request's body parts with its row), which carries the comparison."""
+        self.prefix_deletes.append(prefix)
+
     def _write(self, key: bytes, value: bytes | None, lease: int) -> None:
         if key not in self.reads:
             self.get(key)  # a write is compared on what it replaces, absent included
@@ -165,11 +178,12 @@ class Tx:
         """Apply the writes if no tracked key changed; whether they are applied now. A cached value
         found stale is refreshed (from the failed transaction's answer) for the next attempt."""
         unconfirmed = sorted(self.cached & self.tracked)
-        if not self.writes and not unconfirmed:
+        if not self.writes and not self.prefix_deletes and not unconfirmed:
             return True
         compared = sorted(self.tracked) if self.writes else unconfirmed
         compares = [Compare(k, Target.MOD, Result.EQUAL, self.reads[k][0]) for k in compared]
         ops = [Put(k, v, lease) if v is not None else Delete(k) for k, (v, lease) in self.writes.items()]
+        ops += [Delete(p, prefix=True) for p in self.prefix_deletes]
         if len(compares) > MAX_OPS or len(ops) > MAX_OPS:
             raise LedgerError(
                 f"one ledger operation needs {len(compares)} comparisons and {len(ops)} writes; etcd's default "

@@ -108,6 +108,9 @@ SlotSeal = tuple[int, bytes, bytes]
 @dataclass
 class RequestCheckpoint:
     request_id: str
+    # Its body, the same at every checkpoint: kept once per request, not with every row (on etcd in
+    # parts, so no prompt or stop string is too long). Read empty while a body too big to go beside
+    # its row is still being written.
     prompt_ids: list[int]
     params: str  # the sampling parameters, JSON (seed included)
     generated_ids: list[int]
@@ -264,7 +267,8 @@ class Ledger(abc.ABC):
     # --- requests -----------------------------------------------------------------------------
     @abc.abstractmethod
     def checkpoint(self, worker: str, epoch: int, records: Sequence[RequestCheckpoint]) -> None:
-        """Record request progress, all in one transaction, each row then the writer's. A request whose
+        """Record request progress, each row then the writer's: in one transaction, or in several that
+        each stay within the store's limits (etcd's request size), each under the lease check. A request whose
         row another worker owns is skipped (this writer's view is stale: it handed the request over),
         unless that row is finished or its owner no longer holds the lease it wrote it under (fenced,
         expired, released, registered again): then the request was taken over and this writer runs it.

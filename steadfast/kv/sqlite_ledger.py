@@ -2,6 +2,11 @@
 
 Each operation is one `BEGIN IMMEDIATE` transaction: the epoch check and the write it guards commit
 together or not at all, so a writer killed mid-transaction leaves the previous consistent state.
+A request's body (prompt, sampling parameters) is a row of its own in `request_bodies`, written once:
+a checkpoint rewrites only what changes (SQLite writes a whole row again on any update), so neither
+the file nor its WAL grows with the prompt times the checkpoints. The `requests` table keeps its
+`prompt` and `params` columns, empty in rows written since (they are read where a row written before
+has no body row).
 Nothing outside this module sees sqlite3: its errors leave as `LedgerUnavailableError`. One object may
 serve several threads (lease keeper, engine, KV receiver): a lock keeps one thread's transaction, or
 read, on the shared connection at a time.
@@ -36,6 +41,7 @@ from steadfast.kv.sqlite_slots import SLOTS_SCHEMA, SqliteSlots
 
 MOVE_RECORD_S = 3600.0  # a move's decision is kept this long (seconds of the ledger's clock), then pruned
 MAX_ID = 2**63 - 1  # `grant` without `below`: every FREE block qualifies
+WAL_BYTES = 4 * 2**20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -50,6 +56,7 @@ CREATE TABLE IF NOT EXISTS requests (
     id TEXT PRIMARY KEY, prompt BLOB NOT NULL, params TEXT NOT NULL, generated BLOB NOT NULL,
     delivered INTEGER NOT NULL, owner TEXT, epoch INTEGER, phase TEXT NOT NULL, blocks BLOB NOT NULL,
     updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS request_bodies (id TEXT PRIMARY KEY, prompt BLOB NOT NULL, params TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS moves (
     session TEXT PRIMARY KEY, outcome TEXT NOT NULL, worker TEXT NOT NULL, decided REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS moves_by_time ON moves (decided);
@@ -78,6 +85,8 @@ class SqliteLedger(SqliteSlots, Ledger):
             self.db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes, cheap per commit
+            # The WAL is cut back to this after a checkpoint of it, not kept at its largest ever.
+            self.db.execute(f"PRAGMA journal_size_limit={WAL_BYTES}")
         except sqlite3.Error as exc:
             raise self._unavailable(exc) from exc
         with self._tx() as c:
@@ -423,13 +432,16 @@ class SqliteLedger(SqliteSlots, Ledger):
                 row = c.execute("SELECT owner, epoch, phase FROM requests WHERE id = ?", (r.request_id,)).fetchone()
                 if row is not None and self._runs_elsewhere(c, worker, *row):
                     continue  # it was handed over: this writer's view is stale
+                if c.execute("SELECT 1 FROM request_bodies WHERE id = ?", (r.request_id,)).fetchone() is None:
+                    c.execute(
+                        "INSERT INTO request_bodies (id, prompt, params) VALUES (?, ?, ?)",
+                        (r.request_id, ids_blob(r.prompt_ids), r.params),
+                    )
                 c.execute(
                     "INSERT OR REPLACE INTO requests (id, prompt, params, generated, delivered, owner, epoch, phase, "
-                    "blocks, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "blocks, updated) VALUES (?, X'', '', ?, ?, ?, ?, ?, ?, ?)",
                     (
                         r.request_id,
-                        ids_blob(r.prompt_ids),
-                        r.params,
                         ids_blob(r.generated_ids),
                         r.delivered,
                         worker,
@@ -445,17 +457,20 @@ class SqliteLedger(SqliteSlots, Ledger):
     def _request_row(r: tuple) -> RequestCheckpoint:
         return RequestCheckpoint(r[0], ids_of(r[1]), r[2], ids_of(r[3]), r[4], r[7], ids_of(r[8]), r[5], r[6], r[9])
 
-    _REQUEST_COLUMNS = "id, prompt, params, generated, delivered, owner, epoch, phase, blocks, updated"
+    _REQUESTS = (
+        "SELECT r.id, coalesce(b.prompt, r.prompt), coalesce(b.params, r.params), r.generated, r.delivered, "
+        "r.owner, r.epoch, r.phase, r.blocks, r.updated FROM requests r LEFT JOIN request_bodies b ON b.id = r.id"
+    )
 
     def request(self, request_id: str) -> RequestCheckpoint | None:
-        rows = self._rows(f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE id = ?", (request_id,))
+        rows = self._rows(f"{self._REQUESTS} WHERE r.id = ?", (request_id,))
         return self._request_row(rows[0]) if rows else None
 
     def requests(self, owner: str | None = None) -> list[RequestCheckpoint]:
         if owner is None:
-            rows = self._rows(f"SELECT {self._REQUEST_COLUMNS} FROM requests ORDER BY id")
+            rows = self._rows(f"{self._REQUESTS} ORDER BY r.id")
         else:
-            rows = self._rows(f"SELECT {self._REQUEST_COLUMNS} FROM requests WHERE owner = ? ORDER BY id", (owner,))
+            rows = self._rows(f"{self._REQUESTS} WHERE r.owner = ? ORDER BY r.id", (owner,))
         return [self._request_row(r) for r in rows]
 
     def prune_requests(self, older_than_s: float) -> int:
@@ -466,4 +481,5 @@ class SqliteLedger(SqliteSlots, Ledger):
             # its worker has not written yet): kept, whatever its age.
             gone = [(r[0],) for r in old if r[3] == "finished" or not self._live(c, r[1], r[2])]
             c.executemany("DELETE FROM requests WHERE id = ?", gone)
+            c.executemany("DELETE FROM request_bodies WHERE id = ?", gone)
         return len(gone)

@@ -393,7 +393,9 @@ class Engine:
                     break  # a stop inside accepted drafts: what follows it is not output
         self.steps += 1
         if self.sync is not None:
-            self.sync.after_step(self.requests.values(), self.blocks, prompt_done)
+            refused = self.sync.after_step(self.requests.values(), self.blocks, prompt_done)
+            for rid, why in refused.items():  # a row the ledger refused is its request's error alone
+                self._fail(rid, f"the KV ledger refused this request's checkpoint: {why}", outputs, retryable=False)
         if self.offload is not None:
             self.offload.plan()
         for request in self.kv.after_step():
@@ -463,13 +465,8 @@ class Engine:
         if not culprits or (len(culprits) > 1 and len(culprits) == every):
             raise failure  # none fails alone, or every one does: the engine is broken, not a request
         for rid, why in culprits.items():
-            request = self.scheduler.remove(rid)
             log.error("request %s failed in a step and was removed from it: %s", rid, why, extra=about(rid))
-            outputs.append(
-                RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=f"engine error: {why}", retryable=True)
-            )
-            if request is not None:
-                self._finish(request, FinishReason.ERROR)
+            self._fail(rid, f"engine error: {why}", outputs, retryable=True)
         rest = ScheduledStep(
             [r for r in scheduled.decodes if r.request_id not in culprits],
             [(r, n) for r, n in scheduled.prefills if r.request_id not in culprits],
@@ -479,6 +476,16 @@ class Engine:
         if rest.empty:
             return None
         return rest, self._compute(rest, hook)
+
+    def _fail(self, request_id: str, why: str, outputs: list[RequestOutput], retryable: bool) -> None:
+        """End one request with an error output (one already ended here gets none: its end is sent)."""
+        request = self.scheduler.remove(request_id)
+        if request is None and self.kv.paused(request_id):  # waiting for its move's outcome: ours still
+            request = self.requests.get(request_id)
+        if request is None:
+            return
+        outputs.append(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=why, retryable=retryable))
+        self._finish(request, FinishReason.ERROR)
 
     def _probe(self, alone: ScheduledStep, request: Request) -> dict[str, str]:
         try:

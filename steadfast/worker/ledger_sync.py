@@ -7,6 +7,9 @@ alone). Every `snapshot_interval_steps` steps, checkpoint every request in one t
 the batch drains, or a request is aborted, so that how requests ended is on record). Any write refused
 for a stale epoch raises `LeaseLostError`: the worker must exit. A write the store failed (locked, busy,
 an I/O error) is retried for a few seconds, the engine paused meanwhile, before its error is raised.
+A checkpoint the store refused (a row past its limits) is written again row by row: a row refused alone
+is its request's error (the engine ends that request), the others land; a refusal that no row, or
+every one of several, reproduces alone is raised.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from steadfast.kv.block_manager import BlockManager
 from steadfast.kv.ledger import (
     BlockRecord,
     FencedError,
+    LedgerError,
     LedgerUnavailableError,
     RequestCheckpoint,
     SlotRecord,
@@ -64,6 +68,7 @@ class LedgerSync:
         self._sealed_pending: dict[int, bytes] = {}  # filled, to seal: block -> its token name
         self._ledger_sealed: set[int] = set()
         self._finished: list[Request] = []
+        self._refused: set[str] = set()  # requests whose rows the store refused: never written again
         self._store_failed = False  # the last write gave up on the store (until one succeeds)
         self.steps = 0
         self.checkpoints = 0
@@ -193,6 +198,10 @@ class LedgerSync:
         self._ledger_sealed.update(sealed)
 
     def finished(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._refused:
+            self._refused.discard(rid)
+            return  # the store refused its row: nothing of it is written
         if request.finish_reason is FinishReason.ABORT and not self._store_failed:
             # Often stopped for a resume on another worker, which may take the row once it says finished;
             # written now, since an idle worker takes no next step to checkpoint it. One try: a failed
@@ -201,14 +210,18 @@ class LedgerSync:
                 self._write(self.ledger.checkpoint, [self._record(request, None)], retry=False)
                 return
             except LedgerUnavailableError as exc:
-                log.warning(
-                    "request %s: abort not recorded yet (%s)", request.request_id, exc, extra=about(request.request_id)
-                )
+                log.warning("request %s: abort not recorded yet (%s)", rid, exc, extra=about(rid))
+            except LedgerError as exc:
+                log.error("request %s: the ledger refused its row (%s)", rid, exc, extra=about(rid))
+                return
         self._finished.append(request)
 
-    def after_step(self, requests: Collection[Request], blocks: BlockManager, prompt_done: bool = False) -> None:
+    def after_step(
+        self, requests: Collection[Request], blocks: BlockManager, prompt_done: bool = False
+    ) -> dict[str, str]:
         """`prompt_done`: a request finished its prefill this step. Checkpoint then too, so that its
-        prompt's blocks, usually most of its KV, can be adopted however soon its worker dies."""
+        prompt's blocks, usually most of its KV, can be adopted however soon its worker dies. Returns
+        the requests whose rows the store refused (id -> why): the engine ends each with an error."""
         # A worker fenced while it computed must not hand out what it computed.
         self.lease.check()
         # Sealed now, not at the next step: a block can be adopted as soon as its last token is out.
@@ -216,16 +229,42 @@ class LedgerSync:
         self.steps += 1
         # Drained: no next step would write how the last requests ended.
         if prompt_done or self.steps % self.interval == 0 or (self._finished and not requests):
-            self.checkpoint(requests, blocks)
+            return self.checkpoint(requests, blocks)
+        return {}
 
-    def checkpoint(self, requests: Collection[Request], blocks: BlockManager) -> None:
+    def checkpoint(self, requests: Collection[Request], blocks: BlockManager) -> dict[str, str]:
+        """Every request's row; returns those the store refused (id -> why), the others written."""
         t0 = time.perf_counter()
-        records = [self._record(r, blocks) for r in (*requests, *self._finished)]
+        ended = {r.request_id for r in self._finished}
+        records = [self._record(r, blocks) for r in (*requests, *self._finished) if r.request_id not in self._refused]
+        refused: dict[str, str] = {}
         if records:
-            self._write(self.ledger.checkpoint, records)
+            try:
+                self._write(self.ledger.checkpoint, records)
+            except LedgerUnavailableError:
+                raise  # the store failed, past the retries: the worker's error, not a request's
+            except LedgerError as exc:
+                refused = self._refused_alone(records, exc)
+                self._refused.update(rid for rid in refused if rid not in ended)  # (ended ones are not written again)
             self.checkpoints += 1
             self.checkpoint_seconds += time.perf_counter() - t0
         self._finished.clear()
+        return refused
+
+    def _refused_alone(self, records: list[RequestCheckpoint], failure: LedgerError) -> dict[str, str]:
+        """Each row of a refused checkpoint written alone: those the store refuses again (id -> why)."""
+        refused = {}
+        for r in records:
+            try:
+                self._write(self.ledger.checkpoint, [r])
+            except LedgerUnavailableError:
+                raise
+            except LedgerError as exc:
+                refused[r.request_id] = str(exc)
+                log.error("request %s: the ledger refused its row: %s", r.request_id, exc, extra=about(r.request_id))
+        if not refused or (len(refused) > 1 and len(refused) == len(records)):
+            raise failure  # no row is refused alone, or every one is: the store's or this worker's fault
+        return refused
 
     @staticmethod
     def _record(r: Request, blocks: BlockManager | None) -> RequestCheckpoint:
