@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -36,7 +37,7 @@ from steadfast.control.migration import (
 )
 from steadfast.control.placement import DECODE_ROLES, SERVE_ROLES, Placement
 from steadfast.control.recovery import Recovery, Takeover
-from steadfast.control.resume import Resumption
+from steadfast.control.resume import Known, Resumption, Turns
 from steadfast.control.routing import Router
 from steadfast.control.timeline import EventKind, Timeline
 from steadfast.control.workers import Liveness, WorkerHandle, WorkerRegistry
@@ -65,8 +66,43 @@ from steadfast.protocol import (
 log = logging.getLogger(__name__)
 
 
+# The error a stream ends with when its client resumed it on another connection (a newer resume).
+RESUMED_ELSEWHERE = "this stream was resumed on another connection"
+T = TypeVar("T")
+
+
 class EngineDeadError(RuntimeError):
     """No worker can take the request, or the worker serving it died."""
+
+
+class Quiet:
+    """How long a request's caller has had nothing: each wait lasts at most `every_s` (then it may send
+    a keep-alive) and none goes past `limit_s` since the last output."""
+
+    def __init__(self, every_s: float | None, limit_s: float) -> None:
+        self.every_s, self.limit_s = every_s, limit_s
+        self.since = time.monotonic()
+
+    def heard(self) -> None:
+        self.since = time.monotonic()
+
+    @property
+    def over(self) -> bool:
+        return time.monotonic() - self.since >= self.limit_s
+
+    async def wait(self, ask: Callable[[], Awaitable[T]]) -> T | None:
+        """`ask()`'s result, or None when this wait's time is up first. `ask` is called again on the next
+        wait, so it must lose nothing when cancelled (a queue's get, a lock's acquire)."""
+        left = self.limit_s - (time.monotonic() - self.since)
+        if self.every_s is not None:
+            left = min(left, self.every_s)
+        if left <= 0:
+            return None
+        try:
+            async with asyncio.timeout(left):
+                return await ask()
+        except TimeoutError:
+            return None
 
 
 class EngineClient:
@@ -114,6 +150,11 @@ class EngineClient:
         self._probes = 0
         self.recovery = Recovery(takeover, self.placement, self._choose, self._send)
         self.resumption_records = Resumption(idempotency_window_s, ledger_urls)
+        self.turns = Turns()  # resumes of one request one at a time, the newest winning
+        # A stream with no output this long ends with an error: past every bound of the router's own (a
+        # stalled request moved at `request_timeout`, the move's `wait_timeout`, `request_timeout` more on
+        # its new worker), so it only ends what nothing else would (a wait no part of the router watches).
+        self.idle_limit_s = 2 * request_timeout_s + takeover.wait_timeout
         self._flights: dict[str, Flight] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.migrations = Migrations(migration or MigrationConfig(), self.registry, block_size)
@@ -248,12 +289,68 @@ class EngineClient:
         return worker
 
     # --- requests ------------------------------------------------------------------------------
-    async def generate(self, request: AddRequest, skip_until: int = 0) -> AsyncIterator[protocol.RequestOutput]:
-        """Outputs of one request, in order, ending with the one that carries a finish_reason.
+    async def generate(
+        self,
+        request: AddRequest,
+        skip_until: int = 0,
+        quiet_s: float | None = None,
+        resuming: Known | None = None,
+    ) -> AsyncIterator[RequestOutput | None]:
+        """Outputs of one request, in order, ending with the one that carries a finish_reason; a None
+        each time `quiet_s` passes without one (its caller's keep-alive).
 
-        A request with `resume` continues from its tokens; outputs below `skip_until` (tokens its
-        client already holds) are swallowed.
+        A client reconnecting (`resuming`: what was known of the request when it asked; `request.resume`:
+        what it holds) waits for the request's turn (`Turns`) and takes it over (`_take_over`); outputs
+        below `skip_until` (tokens its client holds already) are swallowed. Nothing for `idle_limit_s`
+        ends the request with an error output: no caller waits for ever.
         """
+        rid = request.request_id
+        quiet = Quiet(quiet_s, self.idle_limit_s)
+        flight: Flight | None = None
+        if resuming is None:
+            flight = await self._open(request, skip_until)
+        else:
+            turn, mine = self.turns.enter(rid)
+            try:
+                # Once a newer resume of it has asked, that one carries the stream on: this one stops unsent.
+                while mine == turn.newest:
+                    if await quiet.wait(turn.lock.acquire) is not None:
+                        try:
+                            if mine == turn.newest:
+                                flight = await self._take_over(request, skip_until, resuming)
+                        finally:
+                            turn.lock.release()
+                        break
+                    if quiet.over:
+                        yield self._given_up(rid, quiet)
+                        return
+                    yield None
+            finally:
+                self.turns.leave(rid, turn)
+        if flight is None:
+            yield RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=RESUMED_ELSEWHERE)
+            return
+        finished = False
+        try:
+            while True:
+                queue = flight.queue
+                out = queue.get_nowait() if not queue.empty() else await quiet.wait(queue.get)
+                if out is None:
+                    if quiet.over:
+                        yield self._given_up(rid, quiet)
+                        return
+                    yield None
+                    continue
+                quiet.heard()
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            await self._close(flight, finished)
+
+    async def _open(self, request: AddRequest, skip_until: int) -> Flight:
+        """Place a request, register its flight and send it; EngineDeadError when no worker takes it."""
         worker = None
         pair = None
         if request.resume is None:
@@ -279,48 +376,67 @@ class EngineClient:
         self._flights[rid] = flight
         self.resumption_records.forget(rid)
         worker.in_flight.add(rid)
-        finished = False
         try:
-            if not await self._send(worker, request):
-                raise EngineDeadError(f"worker {worker.worker_id} cannot be reached")
-            while True:
-                out = await flight.queue.get()
-                finished = out.finish_reason is not None
-                yield out
-                if finished:
-                    return
-        finally:
-            # Unless a reconnect already took the request over (and stopped this run of it).
-            if self._flights.get(rid) is flight:
-                del self._flights[rid]
-                self._ended(self.migrations.finished(rid))
-                self.resumption_records.retire(flight)
-                owner = self.registry.get(mark.owner)
-                if owner is not None:
-                    owner.in_flight.discard(rid)
-                    if not finished and not owner.dead:
-                        await self.abort(owner, rid)
+            sent = await self._send(worker, request)
+        except BaseException:  # (its client gone meanwhile: the flight must not outlive its stream)
+            await self._close(flight, finished=False)
+            raise
+        if not sent:
+            await self._close(flight, finished=False)
+            raise EngineDeadError(f"worker {worker.worker_id} cannot be reached")
+        return flight
 
-    async def resumption(self, request_id: str, have_tokens: int, have_chars: int) -> tuple[AddRequest, int]:
-        """The request to send so a client holding `have_tokens` tokens (`have_chars` characters of
-        text) continues where it is, and the index below which outputs are not resent. Raises
-        UnknownRequestError when neither the router nor a ledger knows the request."""
-        live = self._flights.pop(request_id, None)
+    async def _close(self, flight: Flight, finished: bool) -> None:
+        """A request's stream is over: its flight retired (kept for a resume) and, unfinished, stopped on
+        its worker. Nothing when a resume took the request over meanwhile (and stopped this run of it)."""
+        rid = flight.add.request_id
+        if self._flights.get(rid) is not flight:
+            return
+        del self._flights[rid]
+        self._ended(self.migrations.finished(rid))
+        self.resumption_records.retire(flight)
+        owner = self.registry.get(flight.mark.owner)
+        if owner is not None:
+            owner.in_flight.discard(rid)
+            if not finished and not owner.dead:
+                await self.abort(owner, rid)
+
+    def known(self, request_id: str) -> Known:
+        """What is known of a request a client resumes: its flight while it streams, else the router's
+        record within the idempotency window, else the ledgers'. UnknownRequestError when none knows it.
+        Changes nothing: the resume itself happens in the request's turn (`generate`)."""
+        live = self._flights.get(request_id)
         if live is not None:
-            # Its old connection is still open (a half-dead one not yet noticed, or a second tab): it
-            # ends now with an error event saying where the stream went, rather than stall for ever.
-            superseded = "this stream was resumed on another connection"
-            live.queue.put_nowait(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=superseded))
-            self.resumption_records.retire(live)
-            owner = self.registry.get(live.mark.owner)
-            if owner is not None:
-                owner.in_flight.discard(request_id)
-                await self.abort(owner, request_id)
-        known = self.resumption_records.lookup(request_id)
-        owner = self.registry.get(known.owner)
-        if owner is not None:  # it may still run where it was, for nobody: stop it there
-            await self.abort(owner, request_id)
-        return Resumption.request(known, have_tokens, have_chars), have_tokens
+            return Known(live.add, list(live.mark.delivered), live.mark.owner)
+        return self.resumption_records.lookup(request_id)
+
+    async def _take_over(self, request: AddRequest, skip_until: int, known: Known) -> Flight:
+        """A client's resume, in the request's turn: the stream still open on another connection (a
+        half-dead one not yet noticed, a second tab, an earlier resume) ends with an error event saying
+        where the stream went, rather than stall for ever; its run is stopped (or, after a router
+        restart, the run the ledger names), and the request is placed and sent again from what the client
+        holds. The next resume's turn starts after this one's flight is registered and sent."""
+        rid = request.request_id
+        live = self._flights.get(rid)
+        if live is not None:
+            live.queue.put_nowait(RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=RESUMED_ELSEWHERE))
+            await self._close(live, finished=False)
+            kept = self.resumption_records.lookup(rid)  # (its record now: what that stream had delivered)
+            if len(kept.tokens) > len(known.tokens):
+                known = kept
+        else:
+            stale = self.registry.get(known.owner)
+            if stale is not None:  # it may still run where it was, for nobody: stop it there
+                stale.in_flight.discard(rid)
+                await self.abort(stale, rid)
+        assert request.resume is not None
+        request = Resumption.request(known, skip_until, request.resume.text_chars)
+        return await self._open(request, skip_until)
+
+    def _given_up(self, rid: str, quiet: Quiet) -> RequestOutput:
+        why = f"the request had no output for {quiet.limit_s:.0f}s: given up"
+        log.error("request %s: %s", rid, why, extra=about(rid))
+        return RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=why)
 
     async def abort(self, worker: WorkerHandle, request_id: str) -> None:
         await self._send(worker, AbortRequest([request_id]))
@@ -450,7 +566,7 @@ class EngineClient:
         target = self.registry.get(h.to_worker)
         if target is None or target.dead:  # died after the handoff: its blocks are reclaimed, adoptable
             flight.mark.moving = True
-            self._spawn(self.recovery.move(flight, h.to_worker, lambda: rid in self._flights))
+            self._spawn(self.recovery.move(flight, h.to_worker, self._wanted(flight)))
             return
         target.in_flight.add(rid)
         add, mark = flight.add, flight.mark
@@ -563,6 +679,11 @@ class EngineClient:
         )
         await self._switch(flight, from_worker, h)
 
+    def _wanted(self, flight: Flight) -> Callable[[], bool]:
+        """Whether `flight` still streams to a client: not ended, nor taken over by a resume of it."""
+        rid = flight.add.request_id
+        return lambda: self._flights.get(rid) is flight
+
     def _owned(self, worker_id: int) -> list[Flight]:
         return [f for f in self._flights.values() if f.mark.owner == worker_id and not f.mark.moving]
 
@@ -604,6 +725,7 @@ class EngineClient:
                 next_health = now + self.health.cfg.interval_s
                 await self._health_round(now)
             await self._move_stalled(now)
+            self.resumption_records.expire(now)
 
     async def _health_round(self, now: float) -> None:
         """Sample every worker, score it, and act: a degraded worker's lowest-priority, least recently
@@ -668,7 +790,7 @@ class EngineClient:
             await self.abort(owner, rid)
             roles = SERVE_ROLES if owner.role in (WorkerRole.MIXED, WorkerRole.PREFILL) else DECODE_ROLES
             node = owner.node
-        self._spawn(self.recovery.move(flight, mark.owner, lambda: rid in self._flights, roles, node, why))
+        self._spawn(self.recovery.move(flight, mark.owner, self._wanted(flight), roles, node, why))
 
     async def _move_stalled(self, now: float) -> None:
         """A request that received no token for `request_timeout` (sooner, after the health check's
@@ -729,7 +851,7 @@ class EngineClient:
             flight.mark.moving = True
             rid = flight.add.request_id
             self.recovery.forget(rid)  # moved to this worker, which died before answering: free the slot
-            self._spawn(self.recovery.move(flight, w.worker_id, lambda rid=rid: rid in self._flights, roles, node))
+            self._spawn(self.recovery.move(flight, w.worker_id, self._wanted(flight), roles, node))
         # The last worker of its role: a standby (of its node, if there is one) steps into it.
         if role != WorkerRole.STANDBY and not any(x.role == role and not x.dead for x in self.registry):
             standby = self.placement.standby(node)

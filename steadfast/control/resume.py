@@ -3,13 +3,16 @@
 The router's own record of a request that stopped streaming (finished, or its client left) is kept for
 the idempotency window; past it, or after a router restart, the newest checkpoint among the nodes'
 ledgers stands in. What a record lacks is regenerated (fixed seed per token index), never resent.
+Resumptions of one request take turns (`Turns`), the newest winning.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -25,12 +28,19 @@ class UnknownRequestError(KeyError):
 
 @dataclass
 class Retired:
-    """A request no longer streaming, kept for a reconnect."""
+    """A request no longer streaming, kept for a reconnect: only what continuing it takes, its token ids
+    packed (4 bytes each, where a list of ints costs ~36)."""
 
-    add: AddRequest
-    delivered: list[int]
-    owner: int
+    request_id: str
+    prompt: array
+    params: SamplingParams
+    priority: int
+    delivered: array
     until: float  # monotonic deadline of the idempotency window
+
+    def known(self) -> Known:
+        add = AddRequest(self.request_id, self.prompt.tolist(), self.params, self.priority)
+        return Known(add, self.delivered.tolist(), -1)  # (its stream already stopped it)
 
 
 @dataclass(frozen=True)
@@ -58,10 +68,22 @@ class Resumption:
 
     def retire(self, flight: Flight) -> None:
         now = time.monotonic()
-        for rid in [r for r, x in self._retired.items() if x.until < now]:
-            del self._retired[rid]
+        self.expire(now)
         add = flight.add
-        self._retired[add.request_id] = Retired(add, flight.mark.delivered, flight.mark.owner, now + self.window_s)
+        delivered = array("i", flight.mark.delivered)
+        self._retired.pop(add.request_id, None)  # (re-inserted last: the records stay in deadline order)
+        self._retired[add.request_id] = Retired(
+            add.request_id, array("i", add.prompt_ids), add.params, add.priority, delivered, now + self.window_s
+        )
+
+    def expire(self, now: float) -> None:
+        """Forget the records past the window (the router's watch loop calls this each round, so that
+        what they hold is let go on time however quiet the router is)."""
+        while self._retired:
+            request_id, oldest = next(iter(self._retired.items()))
+            if oldest.until >= now:
+                return
+            del self._retired[request_id]
 
     def forget(self, request_id: str) -> None:
         self._retired.pop(request_id, None)
@@ -70,7 +92,7 @@ class Resumption:
         """The router's record within the window, else the ledgers'; UnknownRequestError if neither."""
         known = self._retired.get(request_id)
         if known is not None and known.until >= time.monotonic():
-            return Known(known.add, known.delivered, -1)  # (its stream already stopped it)
+            return known.known()
         return self._from_ledger(request_id)
 
     @staticmethod
@@ -93,7 +115,9 @@ class Resumption:
                 ck = ledger.request(request_id)
             finally:
                 ledger.close()
-            if ck is None or (ck.phase == "finished" and self.wall_clock() - ck.updated_at > self.window_s):
+            if ck is None or not ck.prompt_ids:
+                continue  # (no prompt: its body is still being written)
+            if ck.phase == "finished" and self.wall_clock() - ck.updated_at > self.window_s:
                 continue  # (a finished request's row outlives the window only until the pool prunes it)
             if best is None or len(ck.generated_ids) > len(best.generated_ids):
                 best = ck
@@ -102,3 +126,38 @@ class Resumption:
         params = msgspec.json.decode(best.params, type=SamplingParams)
         owner = int(best.owner.removeprefix("worker")) if (best.owner or "").startswith("worker") else -1
         return Known(AddRequest(request_id, best.prompt_ids, params), list(best.generated_ids), owner)
+
+
+@dataclass
+class Turn:
+    """One request's resumptions: a lock held from stopping its old runs to its new flight's send, and
+    the number of the newest resume to ask for it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    newest: int = 0
+    users: int = 0  # resumes waiting or holding: the turn is forgotten when none is left
+
+
+class Turns:
+    """Resumptions of one request one at a time, the newest winning: a client that reconnects several
+    times at once (a retry while its first resume is still under way, or ten) gets one stream that
+    carries on, and every other resume ends at once with an error; none waits for tokens that go to
+    another connection. A resume that waited while a newer one arrived gives its turn up unsent."""
+
+    def __init__(self) -> None:
+        self._turns: dict[str, Turn] = {}
+
+    def enter(self, request_id: str) -> tuple[Turn, int]:
+        """The request's turn and this resume's number in it (compare with `Turn.newest`)."""
+        turn = self._turns.setdefault(request_id, Turn())
+        turn.newest += 1
+        turn.users += 1
+        return turn, turn.newest
+
+    def leave(self, request_id: str, turn: Turn) -> None:
+        turn.users -= 1
+        if not turn.users and self._turns.get(request_id) is turn:
+            del self._turns[request_id]
+
+    def __len__(self) -> int:
+        return len(self._turns)

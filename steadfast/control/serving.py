@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from steadfast.control.degrade import Degradation, Notice
-from steadfast.control.engine_client import EngineClient
+from steadfast.control.engine_client import RESUMED_ELSEWHERE, EngineClient
 from steadfast.control.errors import APIError
 from steadfast.control.metrics import Metrics
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
+from steadfast.control.resume import Known
 from steadfast.control.resume_token import ResumeSigner, body_digest
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.protocol import PRIORITIES, AddRequest, Priority, RequestOutput, SamplingParams
@@ -48,6 +49,7 @@ class ServingContext:
     degradation: Degradation | None = None  # the ladder (control/degrade.py); None: no ladder (a bare router in tests)
     # Tokenizing and template rendering run here, never on the event loop that writes every stream.
     tokenize_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "tokenize"))
+    keepalive_s: float = 10.0  # an SSE stream with nothing to send this long gets a comment (server.sse_keepalive)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -77,6 +79,7 @@ class Prepared:
     have_tokens: int = 0
     have_chars: int = 0
     notice: Notice | None = None  # shortened by the degradation ladder: what the client is told
+    resuming: Known | None = None  # a reconnect: what the router knew of the request when it asked
 
 
 # Shortens a prompt to a token cap: its ids and how many chat messages were dropped (truncate.py).
@@ -212,7 +215,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.first_at = 0.0  # when its first token (of this connection) came
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, quiet_s: float | None = None) -> AsyncIterator[RequestOutput | None]:
+        """The request's outputs; a None each time `quiet_s` passes without one (a stream's keep-alive)."""
         m = self.ctx.metrics
         ladder = self.ctx.degradation
         priority = Priority(self.p.add.priority)
@@ -220,7 +224,10 @@ class Generation:
         m.prompt_tokens.inc(len(self.p.prompt_ids))
         first = True
         try:
-            async for out in self.ctx.client.generate(self.p.add, skip_until=self.p.have_tokens):
+            async for out in self.ctx.client.generate(self.p.add, self.p.have_tokens, quiet_s, self.p.resuming):
+                if out is None:
+                    yield out
+                    continue
                 now = time.perf_counter()
                 if out.token_ids:
                     if first:
@@ -254,4 +261,6 @@ class Generation:
 
 
 def error_output(out: RequestOutput) -> APIError:
+    if out.error == RESUMED_ELSEWHERE:
+        return APIError(out.error, 409, type_="conflict_error", code="resumed_elsewhere")
     return APIError(out.error or "the request failed in the engine", 500, type_="server_error", code="engine_error")

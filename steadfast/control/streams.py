@@ -1,5 +1,8 @@
 """Answers to an admitted request: an SSE stream whose event ids are resume points (`Last-Event-ID`),
-or one JSON body once the request is done; a client that leaves aborts its request."""
+or one JSON body once the request is done; a client that leaves aborts its request. A stream with
+nothing to send for `server.sse_keepalive` gets a comment line (`: keep-alive`), so a request that
+waits (queued, moved, a resume waiting its turn) keeps its connection through proxies that drop idle
+ones; one with no output at all for the engine client's `idle_limit_s` ends with an error event."""
 
 from __future__ import annotations
 
@@ -15,12 +18,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from steadfast.control.engine_client import EngineDeadError
 from steadfast.control.errors import APIError
 from steadfast.control.openai_models import ChatCompletionRequest, CompletionRequest
-from steadfast.control.resume import UnknownRequestError
+from steadfast.control.resume import Resumption, UnknownRequestError
 from steadfast.control.resume_token import body_digest, parse_event_id
 from steadfast.control.serving import Generation, Prepared, ServingContext, error_output
 from steadfast.protocol import FinishReason
 
 _json = msgspec.json.Encoder()
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see bytes flow
 # On a response the degradation ladder touched: its level and what it changed (control/degrade.Notice).
 DEGRADATION_HEADER = "X-Steadfast-Degradation"
 
@@ -53,6 +57,8 @@ async def collect(gen: Generation, http: Request) -> tuple[str, list[int]] | Non
     async def run() -> tuple[str, list[int]]:
         texts, ids = [], []
         async for out in gen.outputs():
+            if out is None:
+                continue
             if out.finish_reason == FinishReason.ERROR:
                 raise error_output(out)
             texts.append(out.text)
@@ -87,7 +93,7 @@ async def respond(
     stream = body.stream
     last_event = http.headers.get("last-event-id")
     if last_event and stream:
-        prepared = await reconnect(ctx, prepared, last_event, body_digest(body))
+        prepared = reconnect(ctx, prepared, last_event, body_digest(body))
     gen = Generation(ctx, prepared)
     headers = {DEGRADATION_HEADER: prepared.notice.header()} if prepared.notice is not None else None
     if stream:
@@ -110,10 +116,11 @@ async def respond(
     return JSONResponse(body, headers=headers)
 
 
-async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, digest: bytes) -> Prepared:
+def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, digest: bytes) -> Prepared:
     """The request a client continues with `Last-Event-ID`: only with the resume token of that request
     and the body it was sent with, and only within the idempotency window; refused before anything
-    is sent or stopped otherwise."""
+    is sent or stopped otherwise. Nothing changes here: the stream takes the request over in its turn
+    (`EngineClient.generate`), so concurrent resumes of one request each get a definite answer."""
     try:
         point = parse_event_id(last_event)
     except ValueError:
@@ -133,7 +140,7 @@ async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, di
         )
     rid = point.request_id
     try:
-        add, skip = await ctx.client.resumption(rid, point.have_tokens, point.have_chars)
+        known = ctx.client.known(rid)
     except UnknownRequestError:
         raise APIError(
             f"Request {rid} is unknown here or older than the idempotency window; it cannot be resumed.",
@@ -142,6 +149,7 @@ async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, di
             param="Last-Event-ID",
             code="request_not_found",
         ) from None
+    add = Resumption.request(known, point.have_tokens, point.have_chars)
     return Prepared(
         rid,
         add.prompt_ids,
@@ -149,8 +157,9 @@ async def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, di
         prepared.include_usage,
         prepared.return_token_ids,
         point.token,
-        skip,
+        point.have_tokens,
         point.have_chars,
+        resuming=known,
     )
 
 
@@ -178,11 +187,14 @@ async def stream(
             event_id,
         )
 
-    outputs = gen.outputs()
+    outputs = gen.outputs(ctx.keepalive_s)
     try:
         if first is not None and not p.have_tokens:
             yield chunk([{"index": 0, **first, "logprobs": None, "finish_reason": None}])
         async for out in outputs:
+            if out is None:  # nothing for keepalive_s
+                yield KEEP_ALIVE
+                continue
             if out.finish_reason == FinishReason.ERROR:
                 yield sse(error_output(out).body())
                 break

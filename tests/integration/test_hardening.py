@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ def get(url: str, **kwargs) -> httpx.Response:
 KEY = "sk-test-" + "k" * 24
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = {"max_body_bytes": 65536, "max_messages": 16, "max_prompt_chars": 20000, "max_pending_requests": 24}
+KEEPALIVE_S = 0.25  # (a stream this quiet gets a comment: short, so a test sees several in a second)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def server(tmp_path_factory, small_model_path):
     # what they test; tests/integration/test_degradation.py does.
     cfg = (
         "model: {dtype: float32, max_model_len: 512}\ncache: {kv_memory_mb: 64}\n"
-        f"server: {{api_key: {KEY}, standby_workers: 0, {limits}}}\ndegradation: {{enabled: false}}\n"
+        f"server: {{api_key: {KEY}, standby_workers: 0, sse_keepalive: {KEEPALIVE_S}, {limits}}}\n"
+        "degradation: {enabled: false}\n"
     )
     with serving(tmp_path_factory.mktemp("hardening"), cfg, small_model_path) as s:
         yield s
@@ -77,6 +80,8 @@ class Stream(threading.Thread):
         self.errors: list[str] = []
         self.done = False
         self.status = 0
+        self.keepalives = 0  # SSE comment lines
+        self.answered = 0.0  # when its first data came (time.monotonic())
 
     def run(self) -> None:
         with httpx.stream(
@@ -84,7 +89,11 @@ class Stream(threading.Thread):
         ) as r:
             self.status = r.status_code
             for line in r.iter_lines():
-                if line.startswith("id: "):
+                if line.startswith("data: ") and not self.answered:
+                    self.answered = time.monotonic()
+                if line.startswith(":"):
+                    self.keepalives += 1
+                elif line.startswith("id: "):
                     self.event_ids.append(line[4:])
                 elif line == "data: [DONE]":
                     self.done = True
@@ -181,6 +190,50 @@ def test_the_rightful_client_resumes_while_its_old_connection_is_still_open(serv
     assert first.tokens[:held] + second.tokens == want
 
 
+def test_ten_resumes_of_one_stream_at_once_each_get_an_answer_and_one_carries_it_on_exactly(server, model):
+    """On the old main the resumes raced past each other: one carried on, one got "already in flight" and
+    eight heard nothing until their clients gave up."""
+    payload = body(model, "A letter to an old friend", 120)
+    want = clean_tokens(server, payload)
+    first = Stream(server.url, payload)
+    first.start()
+    first.wait_events(10)
+    at = first.event_ids[5]
+    held = int(at.rsplit(":", 2)[1])
+    resumes = [Stream(server.url, payload, {"Last-Event-ID": at}) for _ in range(10)]
+    t0 = time.monotonic()
+    for r in resumes:
+        r.start()
+    for r in resumes:  # (the one that carries on streams ~115 tokens: a few seconds)
+        r.join(max(0.0, t0 + 30 - time.monotonic()))
+    first.join(10)
+    assert not first.is_alive() and any("resumed on another connection" in e for e in first.errors)
+    assert not [r for r in resumes if r.is_alive()], "a resume still waits"
+    answered = [r.answered - t0 if r.answered else None for r in resumes]
+    assert all(r.status == 200 for r in resumes) and all(a is not None and a < 10 for a in answered), answered
+    carried = [r for r in resumes if r.done and not r.errors]
+    told = [r for r in resumes if r.errors]
+    assert len(carried) == 1 and len(told) == 9, [(r.done, r.errors) for r in resumes]
+    assert all(r.errors == ["this stream was resumed on another connection"] for r in told)
+    assert first.tokens[:held] + carried[0].tokens == want
+
+
+def test_a_waiting_stream_gets_keep_alive_comments_then_its_tokens_exactly(server, model):
+    victim = Victim(server, body(model, "The tide came in over the sand", 64), events=3)
+    pid = next(w["pid"] for w in get(server.url + "/admin/workers").json() if w["role"] == "mixed")
+    before = victim.keepalives
+    os.kill(pid, signal.SIGSTOP)  # its worker stops: the stream waits (well within the lease and stall limits)
+    try:
+        time.sleep(1.0)
+        waiting = victim.keepalives - before
+        events = len(victim.event_ids)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert waiting >= 2, waiting  # a comment each KEEPALIVE_S while nothing came
+    victim.assert_exact()
+    assert len(victim.event_ids) > events  # and it carried on after the wait
+
+
 def test_api_key_guards_every_v1_route_and_only_those(server, model):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         assert get(server.url + "/v1/models", headers=headers).status_code == 401
@@ -210,6 +263,21 @@ def test_limits_answer_before_any_engine_time(server, model):
     raw = json.dumps(body(model, "a \ud800 lone surrogate"))  # (escaped: httpx would not encode it)
     r = post(server.url + "/v1/completions", content=raw, headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_stop_strings_count_against_the_prompt_limit_and_the_stream_beside_them_is_exact(server, model):
+    """On the old main stop strings had no bound: four of 990,000 characters went into every checkpoint of
+    the request, past etcd's request limit, and the worker failed all its requests (issue 47 §2.5)."""
+    victim = Victim(server, body(model, "In a small village by the sea", 96), events=3)
+    limit = LIMITS["max_prompt_chars"]
+    r = post(server.url + "/v1/completions", json=body(model, "Hi", stop=["z" * (limit // 4)] * 4), headers=AUTH)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("stop", "stop_too_long") and str(limit) in error["message"]
+    within = body(model, "Hi", 8, stop=["z" * (limit // 4 - 1)] * 4)  # with the prompt: just within
+    r = post(server.url + "/v1/completions", json=within, headers=AUTH)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 8, r.text
+    victim.assert_exact()
 
 
 def test_pending_requests_over_the_limit_get_429_with_retry_after(server, model):
