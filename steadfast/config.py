@@ -301,8 +301,9 @@ class ServerConfig:
     startup_timeout_s: float = 180.0
     # How often workers report their load to the router.
     status_interval_s: float = 0.5
-    # Intra-op threads per worker; 0 = STEADFAST_THREADS, else the machine's cores shared among the
-    # workers that compute (mixed, prefill and decode; not standbys, which compute only in place of one).
+    # Intra-op threads per worker, fixed; 0 = STEADFAST_THREADS, else the worker chooses: the machine's
+    # cores shared among the workers that compute (mixed, prefill and decode; not standbys, which compute
+    # only in place of one), fewer while other processes keep cores busy (worker/threads.py).
     threads_per_worker: int = 0
     # The router's CPU niceness: workers' forward passes are the bottleneck, and a router thread that
     # preempts one of a worker's OpenMP threads stalls the whole team at the next barrier.

@@ -89,10 +89,13 @@ def torch_threads(computing_workers: int = 1) -> int:
     run on shared among the workers that compute at once (at least one each). Two workers each on every
     core wait at each other's OpenMP barriers: 2 workers x 2 threads on 2 cores served 30 tok/s and a
     TPOT p99 of 340-400 ms, 1 thread each 91-118 tok/s and 47-54 ms."""
+    return threads_override() or max(1, len(os.sched_getaffinity(0)) // max(1, computing_workers))
+
+
+def threads_override() -> int:
+    """STEADFAST_THREADS: a fixed thread count for every worker (0: unset, the workers choose)."""
     value = os.environ.get("STEADFAST_THREADS")
-    if value:
-        return int(value)
-    return max(1, len(os.sched_getaffinity(0)) // max(1, computing_workers))
+    return int(value) if value else 0
 
 
 def kernel_cache_dir() -> Path:

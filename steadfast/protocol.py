@@ -268,6 +268,7 @@ class WorkerStatus(msgspec.Struct, tag="status", array_like=True, omit_defaults=
     kv_resends: int = 0
     kv_move_timeouts: int = 0
     probe: int = 0
+    threads: int = 0  # threads it computes with now (worker/threads.py)
 
 
 class CacheEvents(msgspec.Struct, tag="cache", array_like=True, omit_defaults=True):

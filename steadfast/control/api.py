@@ -217,6 +217,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
                     "kv_wire_dropped": s.kv_wire_dropped if s else {},
                     "kv_wire_refused": s.kv_wire_refused if s else {},
                     "rss_mb": s.rss_mb if s else 0.0,
+                    "threads": s.threads if s else 0,  # it computes with now, fewer while others take cores
                     "liveness": w.liveness.value,  # alive, suspect (probed), silent, dead
                     "health": ctx.client.health.view(w.worker_id),  # standing, score and terms, layers
                     "indexed_blocks": ctx.client.router.index.size(w.worker_id),  # its cache as routing knows it

@@ -21,7 +21,7 @@ import zmq
 
 from steadfast.cluster_keys import ClusterKeys, ClusterSide, guard
 from steadfast.config import Config, config_from_dict
-from steadfast.env import torch_threads, transfer_fault_source
+from steadfast.env import threads_override, torch_threads, transfer_fault_source
 from steadfast.failpoints import stall
 from steadfast.ipc import WorkerInbox, WorkerOutbox, die_with_parent, setup_logging
 from steadfast.kv.arena import KVArena, map_arena
@@ -56,6 +56,7 @@ from steadfast.worker.engine import Engine, LoadedModel, load_model
 from steadfast.worker.ledger_sync import LedgerSync
 from steadfast.worker.startup import StartupPhases, trim_heap
 from steadfast.worker.step_cost import StepCost, StepLine
+from steadfast.worker.threads import ThreadGovernor
 
 log = logging.getLogger("steadfast.worker")
 
@@ -66,8 +67,17 @@ DRAIN_ROUNDS = 8  # reads of the inbox before a step; bounded, so a flood of mes
 
 
 class WorkerLoop:
-    def __init__(self, cfg: Config, worker_id: int, inbox: WorkerInbox, outbox: WorkerOutbox, role: WorkerRole) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        worker_id: int,
+        inbox: WorkerInbox,
+        outbox: WorkerOutbox,
+        role: WorkerRole,
+        threads: ThreadGovernor | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.threads = threads  # None: a fixed thread count (threads_per_worker, STEADFAST_THREADS)
         self.worker_id = worker_id
         self.inbox = inbox
         self.outbox = outbox
@@ -117,6 +127,7 @@ class WorkerLoop:
             ladder_swaps=e.scheduler.ladder_swaps,
             rss_mb=rss_mb(),
             probe=self.probe,
+            threads=torch.get_num_threads(),
             **offload_status(e),
             **wire_status(e),
             **transport_status(e),
@@ -159,6 +170,8 @@ class WorkerLoop:
                 outputs = self._step(engine)
                 if outputs:
                     self.outbox.send(StepOutputs(self.worker_id, outputs, time.monotonic()))
+            if self.threads is not None:
+                self.threads.tick()
             self._report()
         self._report(force=True)
 
@@ -383,7 +396,10 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
     die_with_parent()
     setup_logging(f"worker{args.worker_id}")
     cfg = config_from_dict(json.loads(args.config_json))
-    torch.set_num_threads(cfg.server.threads_per_worker or torch_threads(cfg.server.computing_workers))
+    fixed = cfg.server.threads_per_worker or threads_override()
+    most = fixed or torch_threads(cfg.server.computing_workers)
+    torch.set_num_threads(most)
+    governor = None if fixed else ThreadGovernor(most, torch.set_num_threads)
 
     ctx = zmq.Context()
     keys = ClusterKeys.load(args.cluster_keys, ClusterSide.NODE) if args.cluster_keys else None
@@ -391,7 +407,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
     zap = guard(ctx, keys) if keys is not None else None
     outbox = WorkerOutbox(ctx, args.output, keys)
     inbox = WorkerInbox(ctx, args.input, keys)
-    loop = WorkerLoop(cfg, args.worker_id, inbox, outbox, args.role)
+    loop = WorkerLoop(cfg, args.worker_id, inbox, outbox, args.role, governor)
 
     def on_term(signum: int, frame: object) -> None:
         loop.leave()  # its next status report says STOPPING: the router drains it
