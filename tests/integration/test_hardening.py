@@ -173,14 +173,20 @@ def test_a_request_id_alone_cannot_resume_or_stall_another_clients_stream(server
     victim.assert_exact()
 
 
-def test_the_rightful_client_resumes_while_its_old_connection_is_still_open(server, model):
-    payload = body(model, "A recipe for bread", 120)
+def stream_under_way(server, payload: dict) -> tuple[list[int], Stream, str, int]:
+    """The tokens `payload` should give, its stream started and 10 events in, the event id to resume
+    from (the 6th) and how many tokens the client holds there."""
     want = clean_tokens(server, payload)
     first = Stream(server.url, payload)
     first.start()
     first.wait_events(10)
     at = first.event_ids[5]
-    held = int(at.rsplit(":", 2)[1])
+    return want, first, at, int(at.rsplit(":", 2)[1])
+
+
+def test_the_rightful_client_resumes_while_its_old_connection_is_still_open(server, model):
+    payload = body(model, "A recipe for bread", 120)
+    want, first, at, held = stream_under_way(server, payload)
     second = Stream(server.url, payload, {"Last-Event-ID": at})
     second.run()
     first.join(60)
@@ -194,12 +200,7 @@ def test_ten_resumes_of_one_stream_at_once_each_get_an_answer_and_one_carries_it
     """On the old main the resumes raced past each other: one carried on, one got "already in flight" and
     eight heard nothing until their clients gave up."""
     payload = body(model, "A letter to an old friend", 120)
-    want = clean_tokens(server, payload)
-    first = Stream(server.url, payload)
-    first.start()
-    first.wait_events(10)
-    at = first.event_ids[5]
-    held = int(at.rsplit(":", 2)[1])
+    want, first, at, held = stream_under_way(server, payload)
     resumes = [Stream(server.url, payload, {"Last-Event-ID": at}) for _ in range(10)]
     t0 = time.monotonic()
     for r in resumes:
