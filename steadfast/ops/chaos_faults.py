@@ -120,6 +120,8 @@ class Drain(Fault):
     def strike(self) -> str:
         w = self.r.busiest()
         r = httpx.post(f"{self.r.url}/admin/workers/{w['id']}/drain", json={}, timeout=10)
+        if r.status_code == 409:  # the last worker of its role: nothing to drain to, and the report says so
+            return f"drain of worker {w['id']} refused: {r.json()['error']['message']}"
         r.raise_for_status()
         return f"worker {w['id']} drained ({w['in_flight']} requests)"
 

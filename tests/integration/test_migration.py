@@ -26,8 +26,8 @@ pytestmark = pytest.mark.integration
 
 TOKENS = 48
 DISTINCT = 4  # request bodies: stream i sends body(i % DISTINCT)
-LONG = 512  # a stream moved five times: long enough to still run after five migrations in a row (256 was
-# not, on a fast CPU: the small model decoded them before the fifth committed)
+LONG = 1024  # a stream moved five times: long enough to still run after five migrations in a row (256 was
+# not, on a fast CPU; 512 was not beside two CPU-bound processes: the fifth came after the last token)
 
 
 def config(tmp: Path) -> str:
