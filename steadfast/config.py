@@ -305,9 +305,10 @@ class ServerConfig:
     # cores shared among the workers that compute (mixed, prefill and decode; not standbys, which compute
     # only in place of one), fewer while other processes keep cores busy (worker/threads.py).
     threads_per_worker: int = 0
-    # The router's CPU niceness: workers' forward passes are the bottleneck, and a router thread that
-    # preempts one of a worker's OpenMP threads stalls the whole team at the next barrier.
-    router_nice: int = 10
+    # The router's CPU niceness. 0: every token passes its event loop, and niced it starved beside a
+    # busy worker (two CPU-bound processes besides: a burst's admitted TTFT p99 989-1,484 ms at 10,
+    # 426-600 ms at 0). The worker's thread count leaves the router's core to it (worker/threads.py).
+    router_nice: int = 0
     # Hot standbys per node: loaded, arena mapped, no traffic until a worker of their node dies and
     # one takes its requests (adopting its KV from that node's arena).
     standby_workers: int = 1

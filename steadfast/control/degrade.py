@@ -276,11 +276,13 @@ class Degradation:
             self._check_breaker(loads, priority, level)
         # Refused by prediction, lowest priority first: by TTFT low against its p50 target, normal against
         # its p99; by TPOT low from L1, normal once its SLO stayed broken through L1-L3 (L4); high never.
-        # Only predictions already checked against measurements refuse anybody.
+        # TPOT predictions refuse only once checked against measurements; TTFT ones before, at their most
+        # favourable correction (a burst's first wave came before any check: 52-58 admitted, p99 1.2 s).
         chosen = next((w for w in loads if w.worker_id == worker and w.measured), None)
         own_tpot = chosen.tpot_s(prompt_tokens, output_tokens) if chosen is not None else 0.0
-        if refused_by_prediction(priority, level) and self.ttft_model.trusted:
-            self._check_ttft(loads, priority, level, prompt_tokens, cached, predicted)
+        if refused_by_prediction(priority, level):
+            judged = predicted / self.ttft_model.factor * self.ttft_model.refusing_factor
+            self._check_ttft(loads, priority, level, prompt_tokens, cached, judged)
         tpot_from = Level.L1 if priority == Priority.LOW else Level.L4
         if refused_by_prediction(priority, level) and level >= tpot_from and self.tpot_model.trusted:
             solo = chosen.alone().tpot_s(prompt_tokens, output_tokens) if chosen is not None else 0.0

@@ -145,6 +145,12 @@ class Calibration:
     def factor(self) -> float:
         return min(self.high, max(self.low, math.exp(self._log)))
 
+    @property
+    def refusing_factor(self) -> float:
+        """The factor a refusal is judged with: before the model is trusted, the most favourable one (a
+        prediction refuses only if it misses even then), so a burst at a fresh server is still shed."""
+        return self.factor if self.trusted else self.low
+
     def learn(self, predicted: float, measured: float) -> None:
         """`predicted`: the model's own figure (not multiplied by the factor)."""
         if predicted > 0 and predicted >= self.floor:

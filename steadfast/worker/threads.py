@@ -11,8 +11,8 @@ at least one, and takes a core back once it has stayed free a few seconds.
 Outputs do not change with the thread count: every kernel gives each output to one thread (tested).
 
 The others' load is read from /proc/stat (the cores this process may run on): time in user, system,
-interrupts and steal, less this process's own. Niced time is left out: a niced process (the router,
-at `router_nice` 10 by default) takes little from the team and yields at once.
+interrupts and steal, less this process's own; the router's among them. Niced time is left out: a
+niced process takes little from the team and yields at once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable
 log = logging.getLogger("steadfast.worker")
 
 # A core counts as taken once others use more than half of it: below, the team's preempted thread
-# waits only now and then (the pool daemon's beats, a niced router at work).
+# waits only now and then (the pool daemon's beats, a router between bursts).
 SLACK = 0.5
 # Seconds over which the others' load is averaged before a decision.
 WINDOW_S = 1.0

@@ -288,15 +288,22 @@ def test_an_idle_service_shows_no_load_whatever_the_calibration_learnt():
     assert row["worker"] == 0 and row["running"] == 1 and row["predicted_tpot_ms"] > 0
 
 
-def test_no_refusal_by_prediction_before_predictions_were_checked():
+def test_before_predictions_were_checked_only_a_far_miss_is_refused():
+    """A fresh server's line may be off by the calibration's whole range: until 8 predictions were checked
+    a request is refused only when even the most favourable correction (x 0.5) misses. Two normal prompts
+    of 300 tokens ahead: 800 ms predicted for a low one (bar 2 x 200 ms); of 500: 1280 ms."""
     s = Service()
     s.d.ttft_model = Calibration()  # a fresh server's: nothing measured yet
-    s.flights = [flight(f"n{i}", Priority.NORMAL, 500, 0) for i in range(4)]
-    s.admit(Priority.LOW)  # predicted far over its target, but on an unchecked line
+    s.flights = [flight(f"n{i}", Priority.NORMAL, 300, 0) for i in range(2)]
+    s.admit(Priority.LOW)  # over its target, within what an unchecked line may be off by
+    s.flights = [flight(f"n{i}", Priority.NORMAL, 500, 0) for i in range(2)]
+    with pytest.raises(APIError):
+        s.admit(Priority.LOW)  # a miss even at half the prediction
+    s.flights = [flight(f"n{i}", Priority.NORMAL, 300, 0) for i in range(2)]
     for _ in range(8):
         s.d.ttft_model.learn(1.0, 1.0)
     with pytest.raises(APIError):
-        s.admit(Priority.LOW)
+        s.admit(Priority.LOW)  # checked now: the moderate miss is refused too
 
 
 def test_short_ttft_predictions_do_not_move_the_calibration():
