@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from steadfast.ops.chaos import Scenario
+from steadfast.ops.harness.chaos import Scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = "server: {workers: 2, standby_workers: 1}\n"

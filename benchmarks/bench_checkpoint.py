@@ -26,13 +26,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import run_info  # noqa: E402
 from steadfast.config import Config  # noqa: E402
-from steadfast.kv.arena import KVArena  # noqa: E402
-from steadfast.kv.ledger_url import sqlite_url  # noqa: E402
-from steadfast.kv.pool import KVPool  # noqa: E402
-from steadfast.kv.spec import arena_spec  # noqa: E402
-from steadfast.protocol import AddRequest, PoolGrant, PoolRegister, PoolRelease, SamplingParams  # noqa: E402
+from steadfast.kv.arena.arena import KVArena  # noqa: E402
+from steadfast.kv.arena.spec import arena_spec  # noqa: E402
+from steadfast.kv.ledger.open import sqlite_url  # noqa: E402
+from steadfast.kv.pool.daemon import KVPool  # noqa: E402
+from steadfast.wire.pool import PoolGrant, PoolRegister, PoolRelease  # noqa: E402
+from steadfast.wire.worker import AddRequest, SamplingParams  # noqa: E402
 from steadfast.worker.engine import Engine, load_model  # noqa: E402
-from steadfast.worker.ledger_sync import LedgerSync  # noqa: E402
+from steadfast.worker.kv.ledger_sync import LedgerSync  # noqa: E402
 from tests.etcd_cluster import EtcdCluster  # noqa: E402
 
 OFF = "no ledger"

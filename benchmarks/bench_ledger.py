@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import run_info  # noqa: E402
-from steadfast.kv.ledger import Ledger, RequestCheckpoint  # noqa: E402
-from steadfast.kv.ledger_url import open_ledger, sqlite_url  # noqa: E402
+from steadfast.kv.ledger.interface import Ledger, RequestCheckpoint  # noqa: E402
+from steadfast.kv.ledger.open import open_ledger, sqlite_url  # noqa: E402
 from tests.etcd_cluster import EtcdCluster  # noqa: E402
 
 BLOCKS = 4096  # the default model's arena at 512 MB holds about this many 16-token blocks

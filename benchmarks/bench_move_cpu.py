@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from steadfast.kv.arena import ArenaSpec, KVArena
-from steadfast.kv.moves.curve import CurveKeys, TransferSide, write_deployment_keys
+from steadfast.kv.arena.arena import ArenaSpec, KVArena
 from steadfast.kv.moves.packing import layer_spans, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
+from steadfast.wire.curve import KeyFile, TransferSide, write_deployment_keys
 
 SPEC = ArenaSpec(num_blocks=128, num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 TOKENS = 512
@@ -48,10 +48,10 @@ class Pool:
 def run(encrypted: bool, moves: int) -> dict:
     src, dst = KVArena.create_device(SPEC, "cpu"), KVArena.create_device(SPEC, "cpu")
     src.tensor.normal_()
-    keys: dict[TransferSide, CurveKeys] = {}
+    keys: dict[TransferSide, KeyFile] = {}
     if encrypted:
         paths = write_deployment_keys(Path(tempfile.mkdtemp(prefix="bench-move-keys-")))
-        keys = {side: CurveKeys.load(p) for side, p in paths.items()}
+        keys = {side: KeyFile.load(p) for side, p in paths.items()}
     pool = Pool()
     rx = KVReceiver(dst, 16, ["tcp://127.0.0.1:0"], pool.grant, pool.release, 5.0, keys=keys.get(TransferSide.RECEIVE))
     tx = KVSender(SPEC.num_layers, 5.0, 3, 0.05, block_size=16, keys=keys.get(TransferSide.SEND))

@@ -9,7 +9,7 @@ requests per second. Then per load, each mode in turn (which goes first alternat
 drifts by tens of percent over a minute), `--seconds` of Poisson arrivals: priorities 20 % high, 50 %
 normal, 30 % low; prompts of about 32, 128 or 256 tokens (50/35/15 %, distinct so that no prefix is
 cached); `--max-tokens` output tokens, EOS ignored, greedy. Every request is waited for to its end. The
-clients are the project's load generator (`steadfast bench`'s, `steadfast/ops/loadgen.py`).
+clients are the project's load generator (`steadfast bench`'s, `steadfast/ops/harness/loadgen.py`).
 
 Per mode, load and priority: goodput (requests per second of the arrival window that completed with
 TTFT within their priority's TTFT p99 target and a mean time per output token within the TPOT p99
@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import pct, run_info  # noqa: E402
 from steadfast.config import SloConfig  # noqa: E402
-from steadfast.ops.loadgen import Arrivals, LoadGenerator, Sample, Workload  # noqa: E402
-from steadfast.protocol import Priority  # noqa: E402
+from steadfast.ops.harness.loadgen import Arrivals, LoadGenerator, Sample, Workload  # noqa: E402
+from steadfast.wire.worker import Priority  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
 PRIORITIES = [("high", 0.2), ("normal", 0.5), ("low", 0.3)]

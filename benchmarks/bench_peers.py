@@ -1,5 +1,5 @@
 """Steadfast against the servers a user would pick instead, one after another on this machine, through the
-same load generator (`steadfast/ops/loadgen.py`): closed loop, short chat prompts, `--max-tokens` output
+same load generator (`steadfast/ops/harness/loadgen.py`): closed loop, short chat prompts, `--max-tokens` output
 tokens (EOS ignored), temperature 0, at each concurrency level; `--rounds` rounds, the order of the
 servers reversed each round (these machines drift: compare within a round, as ratios).
 

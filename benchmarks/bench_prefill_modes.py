@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import run_info  # noqa: E402
 from steadfast.config import Config  # noqa: E402
-from steadfast.protocol import AddRequest, SamplingParams  # noqa: E402
+from steadfast.wire.worker import AddRequest, SamplingParams  # noqa: E402
 from steadfast.worker.engine import Engine, load_model, private_arena  # noqa: E402
 
 

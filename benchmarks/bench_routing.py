@@ -4,7 +4,7 @@ attainment with the health-driven scheduler vs without it while one worker degra
 Servers of two mixed workers on one node (no standby, ledger on, the default model and dtype; the
 degradation ladder off in every arm, so that no request is refused and the figures are the router's
 placement alone). The arms run one after another, each on a fresh server. The clients are the project's
-load generator (`steadfast bench`'s, `steadfast/ops/loadgen.py`).
+load generator (`steadfast bench`'s, `steadfast/ops/harness/loadgen.py`).
 
 1. Multi-turn chat (`routing.policy: kv_aware` vs `round_robin`): `--sessions` concurrent chats, each a
    distinct system prompt of `--system-tokens` words (~1.3 tokens a word) and `--turns` turns (a short user message, an
@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import pct, run_info  # noqa: E402
 from steadfast.config import SloConfig, default_model_path  # noqa: E402
-from steadfast.ops.loadgen import Arrivals, LoadGenerator, Workload  # noqa: E402
-from steadfast.protocol import Priority  # noqa: E402
+from steadfast.ops.harness.loadgen import Arrivals, LoadGenerator, Workload  # noqa: E402
+from steadfast.wire.worker import Priority  # noqa: E402
 from tests.chaos.test_health import DutyCycle, worker_pid  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 

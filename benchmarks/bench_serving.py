@@ -1,7 +1,7 @@
 """Serving benchmark: Steadfast through its HTTP API vs `transformers` batched generate, in one run.
 
 For each concurrency level, `concurrency` closed-loop clients of the load generator (`steadfast bench`'s,
-`steadfast/ops/loadgen.py`) stream chat completions (fixed output length, EOS ignored, temperature 0)
+`steadfast/ops/harness/loadgen.py`) stream chat completions (fixed output length, EOS ignored, temperature 0)
 until `requests` are done; we record TTFT and TPOT per request and
 output tokens/s overall. The baseline runs the same prompts through `transformers` `generate` in
 batches of `concurrency` (left-padded, same dtype, same output length), timing its first token with a
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import pct, run_info  # noqa: E402
 from steadfast.config import default_model_path  # noqa: E402
-from steadfast.ops.loadgen import LoadGenerator, Workload  # noqa: E402
+from steadfast.ops.harness.loadgen import LoadGenerator, Workload  # noqa: E402
 from tests.integration.server import ServerProcess  # noqa: E402
 
 TOPICS = [

@@ -69,7 +69,7 @@ def instrument(code: Path) -> None:
             1,
         )
         worker.write_text(s)
-    router = code / "steadfast/control/engine_client.py"
+    router = code / "steadfast/control/fleet/client.py"
     s = router.read_text()
     if "PROBE R" not in s:
         if "await worker.sock.send(protocol.encode(request))" in s:  # the router before the redesign

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from steadfast.config import Config, ConfigError, default_model_path
-from steadfast.kv.arena import KVArena
-from steadfast.kv.arena_file import make_tier, remove_tier, tier_spec
-from steadfast.kv.spec import arena_spec
-from steadfast.kv.tier import TierFile
+from steadfast.kv.arena.arena import KVArena
+from steadfast.kv.arena.files import make_tier, remove_tier, tier_spec
+from steadfast.kv.arena.spec import arena_spec
+from steadfast.kv.arena.tier import TierFile
 from steadfast.worker.engine import Engine, LoadedModel, load_model
 from tests.small_gguf import truncate
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from steadfast.cluster_keys import write_cluster_keys
+from steadfast.wire.curve import write_cluster_keys
 from tests.etcd_cluster import EtcdCluster
 from tests.hosts import Hosts
 from tests.integration.server import free_port

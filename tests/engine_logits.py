@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine
 
 

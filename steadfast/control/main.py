@@ -1,5 +1,5 @@
 """The router process: loads the tokenizer, connects to the workers, serves HTTP with uvicorn; on SIGTERM
-it stops admitting, lets its streams finish (control/shutdown.py) and exits 0."""
+it stops admitting, lets its streams finish (control/http/shutdown.py) and exits 0."""
 
 from __future__ import annotations
 
@@ -12,26 +12,26 @@ import os
 
 import uvicorn
 
-from steadfast import env
-from steadfast.cluster_keys import ClusterKeys, ClusterSide
-from steadfast.config import config_from_dict
-from steadfast.control.access import own_names
-from steadfast.control.api import create_app
-from steadfast.control.dashboard import Dashboard
-from steadfast.control.degrade import Degradation, Sources
-from steadfast.control.engine_client import EngineClient
-from steadfast.control.guard import GuardConfig
-from steadfast.control.http_limits import bounded_protocol
-from steadfast.control.membership import Membership
-from steadfast.control.metrics import Metrics
-from steadfast.control.resume_token import ResumeSigner
-from steadfast.control.serving import Limits, ServingContext
-from steadfast.control.shutdown import GracefulServer, Shutdown
-from steadfast.ipc import die_with_parent, setup_logging
-from steadfast.members import ROUTER_TTL_S, Members, RouterRecord
+from steadfast.cluster.members import ROUTER_TTL_S, Members, RouterRecord
+from steadfast.cluster.membership import Membership
+from steadfast.config import config_from_dict, env
+from steadfast.control.fleet.client import EngineClient
+from steadfast.control.http.access import own_names
+from steadfast.control.http.api import create_app
+from steadfast.control.http.dashboard import Dashboard
+from steadfast.control.http.guard import GuardConfig
+from steadfast.control.http.limits import bounded_protocol
+from steadfast.control.http.metrics import Metrics
+from steadfast.control.http.resume_token import ResumeSigner
+from steadfast.control.http.serving import Limits, ServingContext
+from steadfast.control.http.shutdown import GracefulServer, Shutdown
+from steadfast.control.ladder.degrade import Degradation, Sources
 from steadfast.model.gguf_meta import max_model_len, open_gguf, read_config
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.protocol import WorkerRole
+from steadfast.util.log import setup_logging
+from steadfast.util.proc import die_with_parent
+from steadfast.wire.curve import ClusterSide, KeyFile
+from steadfast.wire.worker import WorkerRole
 
 log = logging.getLogger("steadfast.router")
 
@@ -50,6 +50,7 @@ async def serve(
     reader = open_gguf(cfg.model.resolved_path)
     model_cfg = read_config(reader)
     srv = cfg.server
+    metrics = Metrics()
     client = EngineClient(
         workers,
         output,
@@ -65,9 +66,11 @@ async def serve(
         health=cfg.health,
         routing=cfg.routing,
         scheduler=cfg.scheduler,
-        keys=ClusterKeys.load(cluster_keys, ClusterSide.ROUTER) if cluster_keys else None,
+        keys=KeyFile.load(cluster_keys, ClusterSide.ROUTER) if cluster_keys else None,
+        startup_timeout_s=srv.startup_timeout_s,
+        on_handoff=metrics.handoff,
+        on_migration=metrics.migration,
     )
-    client.maintenance.startup_timeout_s = srv.startup_timeout_s
     await client.start()
     tasks = []
     if join:
@@ -82,7 +85,7 @@ async def serve(
         model_name=cfg.model.name,
         max_model_len=max_model_len(cfg, model_cfg),
         block_size=cfg.cache.block_size,
-        metrics=Metrics(),
+        metrics=metrics,
         signer=ResumeSigner(env.resume_key()),
         limits=Limits(srv.max_messages, srv.max_prompt_chars, srv.max_pending_requests),
         keepalive_s=srv.sse_keepalive,
@@ -92,7 +95,7 @@ async def serve(
         cfg.slo,
         cfg.scheduler,
         cfg.cache.block_size,
-        Sources(client.registry, client.flights, client.broadcast, client.router.cached_on),
+        Sources(client.registry, client.flights, client.hub.broadcast, client.router.cached_on),
         on_change=ctx.metrics.level_changed,
         on_refuse=ctx.metrics.refused,
     )
@@ -100,8 +103,6 @@ async def serve(
     # KV-aware routing weighs a prompt's cached prefix against each worker's load as the ladder models it.
     client.router.loads = lambda rid: {load.worker_id: load for load in degradation.loads(exclude=rid)}
     ladder = asyncio.create_task(ctx.degradation.run())
-    client.on_handoff = ctx.metrics.handoff
-    client.on_migration = ctx.metrics.migration
     shutdown = Shutdown()
     guard = GuardConfig(
         srv.api_key,

@@ -3,9 +3,9 @@ and with the block tables workers hold."""
 
 from __future__ import annotations
 
-from steadfast.kv.arena import KVArena
-from steadfast.kv.ledger import BlockState, Ledger
-from steadfast.kv.tier import TierFile
+from steadfast.kv.arena.arena import KVArena
+from steadfast.kv.arena.tier import TierFile
+from steadfast.kv.ledger.interface import BlockState, Ledger
 
 
 def check_node(

@@ -1,5 +1,5 @@
 """What one forward pass attends: each new token's K/V slot, and the decode rows, verifications and
-prefill chunks of a flat batch (built by `worker/runner.py`, read by `llama.LlamaModel.forward`)."""
+prefill chunks of a flat batch (built by `worker/core/runner.py`, read by `llama.LlamaModel.forward`)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from steadfast.env import kernel_cache_dir
+from steadfast.config.env import kernel_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from steadfast.kv.arena import KVArena
+from steadfast.kv.arena.arena import KVArena
 from steadfast.model.batch import AttentionBatch, PagedDecodes, VerifyGroup
 from steadfast.model.decode_layers import DecodeLayers, DecodePlan, LayerWeights
 from steadfast.model.gguf_file import GGUFTensor

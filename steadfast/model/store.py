@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from steadfast.kv.arena_file import check_space
+from steadfast.kv.arena.files import check_space
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from steadfast import env
+from steadfast.config import env
 
 
 class AdminError(RuntimeError):

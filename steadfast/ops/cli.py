@@ -1,6 +1,6 @@
 """The `steadfast` command: `serve` runs the server, `generate` prints one completion in-process;
 `drain`, `migrate`, `rollout`, `degrade` and `status` call a running server's admin routes (ops/admin_cli.py,
-ops/status_cli.py); `bench` measures any OpenAI-compatible server (ops/bench_cli.py)."""
+ops/status_cli.py); `bench` measures any OpenAI-compatible server (ops/harness/bench_cli.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 from steadfast.config import Config, ConfigError, load_config
-from steadfast.ipc import setup_logging
 from steadfast.model.gguf_meta import ModelLoadError
-from steadfast.ops import admin_cli, bench_cli, chaos_cli, status_cli
+from steadfast.ops import admin_cli, status_cli
+from steadfast.ops.harness import bench_cli, chaos_cli
+from steadfast.util.log import setup_logging
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -37,8 +38,8 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from steadfast.ops.cluster_part import ClusterPart, PartRole
-    from steadfast.ops.launcher import Launcher, StartupError
+    from steadfast.cluster.node import ClusterPart, PartRole
+    from steadfast.ops.supervisor.launcher import Launcher, StartupError
 
     cfg = _config(args)
     cluster = None
@@ -81,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_keys(args: argparse.Namespace) -> int:
-    from steadfast.cluster_keys import write_cluster_keys
+    from steadfast.wire.curve import write_cluster_keys
 
     try:
         paths = write_cluster_keys(args.folder)
@@ -96,7 +97,7 @@ def cmd_cluster_keys(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import random
 
-    from steadfast.protocol import AddRequest, SamplingParams
+    from steadfast.wire.worker import AddRequest, SamplingParams
     from steadfast.worker.engine import Engine, load_model, private_arena
 
     cfg = _config(args).replace(cache={"kv_memory_mb": 256})

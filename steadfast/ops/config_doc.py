@@ -1,4 +1,4 @@
-"""The configuration reference of `docs/operations.md`, made from `config.py` itself: every key (dotted, as
+"""The configuration reference of `docs/operations.md`, made from the config package itself: every key (dotted, as
 in YAML), its default and what the source says of it (the comment on its line or the comments just above).
 
     python -m steadfast.ops.config_doc --write docs/operations.md   # rewrite the reference in place

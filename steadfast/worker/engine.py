@@ -8,41 +8,38 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from steadfast.config import Config, ConfigError
-from steadfast.failpoints import broken
-from steadfast.ipc import about
-from steadfast.kv.arena import TORCH_DTYPES, KVArena
-from steadfast.kv.arena_file import ArenaSpaceError
-from steadfast.kv.block_manager import BlockManager, BlockSource
+from steadfast.config import Config
+from steadfast.kv.arena.arena import KVArena
+from steadfast.kv.arena.spec import arena_spec
+from steadfast.kv.arena.tier import TierFile
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
-from steadfast.kv.spec import arena_spec
-from steadfast.kv.tier import TierFile
-from steadfast.model import decode_layers, paged_attention, quant_matmul, rms_norm, rope_kv, rowwise_matmul
-from steadfast.model.gguf_loader import load_weights
-from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, read_config
-from steadfast.model.llama import LlamaModel, NativeWeights, compute_layout, native_layout
-from steadfast.model.store import open_layout
+from steadfast.model.gguf_meta import LlamaConfig
+from steadfast.model.llama import LlamaModel
+from steadfast.model.loader import build_model
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.protocol import AddRequest, Degrade, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
-from steadfast.worker.detokenizer import Detokenizer
-from steadfast.worker.kv_connector import KVConnector
-from steadfast.worker.ledger_sync import LedgerSlots, LedgerSync
-from steadfast.worker.offload import LocalSlots, Offloader
-from steadfast.worker.request import Request, Status
-from steadfast.worker.runner import ModelRunner
-from steadfast.worker.sampler import sample
-from steadfast.worker.scheduler import ScheduledStep, Scheduler
-from steadfast.worker.speculation import Speculator
-from steadfast.worker.step_cost import StepCost
-from steadfast.worker.takeover import recover
+from steadfast.util.failpoints import broken
+from steadfast.util.log import about
+from steadfast.wire.worker import AddRequest, Degrade, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
+from steadfast.worker.core.block_cache import BlockSource
+from steadfast.worker.core.block_manager import BlockManager
+from steadfast.worker.core.detokenizer import Detokenizer
+from steadfast.worker.core.request import Request, Status
+from steadfast.worker.core.runner import ModelRunner
+from steadfast.worker.core.sampler import sample
+from steadfast.worker.core.scheduler import ScheduledStep, Scheduler
+from steadfast.worker.core.speculation import Speculator
+from steadfast.worker.core.step_cost import StepCost
+from steadfast.worker.kv.connector import KVConnector
+from steadfast.worker.kv.ledger_sync import LedgerSlots, LedgerSync
+from steadfast.worker.kv.offload import LocalSlots, Offloader
+from steadfast.worker.kv.takeover import recover
 
 log = logging.getLogger(__name__)
 
@@ -67,89 +64,8 @@ class LoadedModel:
 
 
 def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
-    """`weights_dir`: the folder of the node's weight store, where the compute layout is mapped from
-    (made there first if no worker has); empty, or `model.shared_weights` off: this worker's own copy."""
-    reader = open_gguf(cfg.model.resolved_path)
-    model_cfg = read_config(reader)
-    limit = max_model_len(cfg, model_cfg)
-    dtype = TORCH_DTYPES[cfg.model.resolved_dtype]
-
-    def build() -> dict[str, torch.Tensor]:
-        return compute_layout(load_weights(reader, model_cfg, dtype), model_cfg)
-
-    layout = None
-    if weights_dir and cfg.model.shared_weights:
-        try:
-            layout = open_layout(weights_dir, cfg.model.resolved_path, cfg.model.resolved_dtype, build)
-        except (OSError, ArenaSpaceError) as exc:  # no room in the folder, say: this worker still serves
-            log.warning("weight store not usable, loading a copy of the model of this worker's own: %s", exc)
-    if layout is None:
-        layout = build()
-    device = cfg.model.resolved_device
-    if device != "cpu":
-        layout = {name: w.to(device) for name, w in layout.items()}
-    paged = None
-    if cfg.model.decode_attention == "auto" and paged_attention.supports(
-        dtype,
-        device,
-        model_cfg.num_heads,
-        model_cfg.num_kv_heads,
-        model_cfg.head_dim,
-        cfg.cache.block_size,
-    ):
-        paged = paged_attention.load()
-    log.info("decode attention: %s", "in-place kernel" if paged is not None else "torch gather")
-    rowwise = None
-    if cfg.model.fp32_matmul == "auto" and dtype == torch.float32 and device == "cpu":
-        rowwise = rowwise_matmul.load()
-        log.info("fp32 matmuls: %s", "row-wise kernel" if rowwise is not None else "torch")
-    native = None
-    # "auto" asks for the batch-invariant mode in bf16 only: fp32 keeps its path exact against transformers.
-    want_invariant = cfg.model.deterministic == "on" or (cfg.model.deterministic == "auto" and dtype == torch.bfloat16)
-    wanted = cfg.model.weights == "native" or (cfg.model.weights == "auto" and dtype == torch.bfloat16)
-    if wanted and device == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        matmul = quant_matmul.load()
-        weights = native_layout(reader.tensors, model_cfg) if matmul is not None else {}
-        if matmul is not None and dtype == torch.bfloat16 and not matmul.int8 and cfg.model.weights == "auto":
-            weights = {}  # bf16 computed as fp32 by the kernel: slower than oneDNN's bf16 matmuls
-        if matmul is not None and weights and dtype == torch.bfloat16:
-            # Packed here, in the zygote where workers are forked from it: they share the copy.
-            weights = {name: matmul.pack(w) for name, w in weights.items()}
-        if matmul is not None and weights:
-            # In fp32 every call: the kernel's rows are batch-invariant and its weights exact (BLAS's
-            # would be the same values, summed in another order).
-            rows = sys.maxsize if dtype == torch.float32 or want_invariant else cfg.model.native_max_rows
-            native = NativeWeights(weights, matmul, rows)
-        log.info("native quantized weights: %d of the linear weights", len(weights))
-    norm = rms_norm.load() if dtype == torch.bfloat16 and device == "cpu" else None
-    rope = rope_kv.load() if rope_kv.supports(dtype, device, model_cfg.head_dim) else None
-    decode = decode_layers.load() if dtype == torch.bfloat16 and device == "cpu" else None
-    model = LlamaModel(
-        model_cfg,
-        layout,
-        dtype,
-        limit,
-        paged=paged,
-        rowwise=rowwise,
-        native=native,
-        norm=norm,
-        rope_kv=rope,
-        decode=decode,
-    )
-    log.info("decode steps: %s", "one call for the layers" if model.step is not None else "layer by layer")
-    gaps: list[str] = []
-    if want_invariant:
-        gaps = model.invariance_gaps()
-        if cfg.cache.block_size != paged_attention.BLOCK_SIZE:
-            gaps.append(f"the in-place attention kernel takes blocks of {paged_attention.BLOCK_SIZE} tokens")
-        if gaps and cfg.model.deterministic == "on":
-            raise ConfigError("model.deterministic cannot hold on this machine and model: " + "; ".join(gaps))
-        model.deterministic = not gaps
-    if model.deterministic:
-        log.info("deterministic: every row attended in place and computed by row-wise kernels")
-    elif want_invariant:
-        log.info("deterministic: off (model.deterministic auto), it cannot hold here: %s", "; ".join(gaps))
-    return LoadedModel(model_cfg, model, GGUFTokenizer.from_gguf(reader), limit)
+    """The model this worker computes with (model/loader.py builds it; `weights_dir`: see there)."""
+    return LoadedModel(*build_model(cfg, weights_dir))
 
 
 def private_arena(cfg: Config, model_cfg: LlamaConfig, path: str) -> KVArena:

@@ -31,12 +31,14 @@ import time
 import torch
 
 from steadfast.config import Config, config_from_dict
-from steadfast.ipc import die_with_parent, setup_logging
-from steadfast.protocol import WorkerForked, ZygoteReady, decode_to_zygote, encode
+from steadfast.util.log import setup_logging
+from steadfast.util.proc import die_with_parent
+from steadfast.wire.codec import encode
+from steadfast.wire.zygote import WorkerForked, ZygoteReady, decode_to_zygote
 from steadfast.worker import main as worker_main
+from steadfast.worker.core.step_cost import StepCost
 from steadfast.worker.engine import Engine, LoadedModel, load_model, private_arena
 from steadfast.worker.startup import since_process_start, trim_heap
-from steadfast.worker.step_cost import StepCost
 
 log = logging.getLogger("steadfast.zygote")
 

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import zmq
 
-from steadfast import protocol
 from steadfast.config import Config
-from steadfast.kv.arena import KVArena, map_arena
-from steadfast.kv.ledger import Ledger
-from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.kv.pool_client import PoolClient
-from steadfast.kv.spec import arena_spec
+from steadfast.kv.arena.arena import KVArena, map_arena
+from steadfast.kv.arena.spec import arena_spec
+from steadfast.kv.ledger.interface import Ledger
+from steadfast.kv.ledger.open import open_ledger, sqlite_url
+from steadfast.kv.pool.client import PoolClient
 from steadfast.model.gguf_meta import open_gguf, read_config
-from steadfast.ops.children import ArenaSource, pool_spec, worker_spec
-from steadfast.protocol import AddRequest, RequestOutput, StepOutputs, WorkerRole, WorkerStatus
+from steadfast.ops.supervisor.children import ArenaSource, pool_spec, worker_spec
+from steadfast.wire.codec import encode
+from steadfast.wire.worker import AddRequest, RequestOutput, StepOutputs, WorkerRole, WorkerStatus, decode_from_worker
 
 
 class Node:
@@ -104,7 +104,7 @@ class Node:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.pull.poll(200):
-                msg = protocol.decode_from_worker(self.pull.recv())
+                msg = decode_from_worker(self.pull.recv())
                 if isinstance(msg, WorkerStatus) and msg.worker_id == worker_id and msg.state == state:
                     return msg
             proc = self.workers.get(worker_id)  # (another node's worker reporting here: not ours to watch)
@@ -112,7 +112,7 @@ class Node:
         raise AssertionError(f"worker{worker_id} never reported {state}")
 
     def send(self, worker_id: int, request: AddRequest) -> None:
-        self.pushes[worker_id].send(protocol.encode(request))
+        self.pushes[worker_id].send(encode(request))
 
     def outputs(
         self,
@@ -134,7 +134,7 @@ class Node:
             if max_outputs is not None and len(got) >= max_outputs:
                 break
             if self.pull.poll(100):
-                msg = protocol.decode_from_worker(self.pull.recv())
+                msg = decode_from_worker(self.pull.recv())
                 if isinstance(msg, StepOutputs):
                     for o in msg.outputs:
                         self.origin[(o.request_id, o.index)] = msg.worker_id

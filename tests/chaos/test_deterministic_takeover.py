@@ -14,9 +14,9 @@ import pytest
 
 from steadfast.config import Config, ConfigError
 from steadfast.kv.integrity import check_node
-from steadfast.kv.pool import process_gone
-from steadfast.kv.pool_client import PoolClient
-from steadfast.protocol import AddRequest, RequestOutput, Resume, SamplingParams
+from steadfast.kv.pool.client import PoolClient
+from steadfast.kv.pool.daemon import process_gone
+from steadfast.wire.worker import AddRequest, RequestOutput, Resume, SamplingParams
 from steadfast.worker.engine import load_model
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS

@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.chaos.test_hung_engine import arm
 from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import ServerProcess

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
 

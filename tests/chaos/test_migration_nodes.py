@@ -30,12 +30,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from steadfast.kv.arena import map_arena
+from steadfast.kv.arena.arena import map_arena
 from steadfast.kv.integrity import check_node
-from steadfast.kv.ledger import BlockState
-from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.kv.pool import process_gone
-from steadfast.kv.pool_client import PoolClient
+from steadfast.kv.ledger.interface import BlockState
+from steadfast.kv.ledger.open import open_ledger, sqlite_url
+from steadfast.kv.pool.client import PoolClient
+from steadfast.kv.pool.daemon import process_gone
 from tests.conftest import wait_until
 from tests.etcd_cluster import EtcdCluster
 from tests.integration.server import serving
@@ -226,7 +226,7 @@ def _pool_pid(address: str) -> int:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"steadfast.kv.pool" in argv and address.encode() in argv:
+        if b"steadfast.kv.pool.daemon" in argv and address.encode() in argv:
             return int(proc.name)
     raise AssertionError(f"no kvpool process serves {address}")
 

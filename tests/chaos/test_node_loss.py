@@ -21,8 +21,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from steadfast.kv.history import check_history, load_journal
-from steadfast.ops.chaos import children_named
+from steadfast.kv.ledger.history import check_history, load_journal
+from steadfast.ops.harness.chaos import children_named
 from tests.chaos.test_crash_recovery import request_specs
 from tests.chaos.test_router_restart import ResumingStream
 from tests.deployment import Deployment

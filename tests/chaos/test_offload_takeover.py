@@ -17,13 +17,13 @@ import signal
 import httpx
 import pytest
 
-from steadfast.kv.arena import map_arena
+from steadfast.kv.arena.arena import map_arena
+from steadfast.kv.arena.tier import TierFile
 from steadfast.kv.integrity import check_node
-from steadfast.kv.ledger import BlockState
-from steadfast.kv.ledger_url import open_ledger
-from steadfast.kv.pool import process_gone
-from steadfast.kv.pool_client import PoolClient
-from steadfast.kv.tier import TierFile
+from steadfast.kv.ledger.interface import BlockState
+from steadfast.kv.ledger.open import open_ledger
+from steadfast.kv.pool.client import PoolClient
+from steadfast.kv.pool.daemon import process_gone
 from tests.chaos.test_crash_recovery import Stream, admin, assert_exact_once, reference
 from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import ServerProcess

@@ -14,12 +14,12 @@ import signal
 import pytest
 
 from steadfast.config import Config
-from steadfast.kv.history import check_history, load_journal
 from steadfast.kv.integrity import check_node
-from steadfast.kv.ledger import LeaseState
-from steadfast.kv.pool import process_gone
-from steadfast.kv.pool_client import PoolClient
-from steadfast.protocol import AddRequest, RequestOutput, Resume, SamplingParams
+from steadfast.kv.ledger.history import check_history, load_journal
+from steadfast.kv.ledger.interface import LeaseState
+from steadfast.kv.pool.client import PoolClient
+from steadfast.kv.pool.daemon import process_gone
+from steadfast.wire.worker import AddRequest, RequestOutput, Resume, SamplingParams
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS
 from tests.etcd_cluster import EtcdCluster

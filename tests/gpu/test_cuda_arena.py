@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from steadfast.config import Config
-from steadfast.kv.arena import ArenaSpec, KVArena, map_arena
-from steadfast.kv.ledger import LeaseState
-from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.kv.pool_client import LeaseLostError, PoolClient
+from steadfast.kv.arena.arena import ArenaSpec, KVArena, map_arena
+from steadfast.kv.ledger.interface import LeaseState
+from steadfast.kv.ledger.open import open_ledger, sqlite_url
+from steadfast.kv.pool.client import LeaseLostError, PoolClient
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,8 +33,8 @@ SPEC = ArenaSpec(num_blocks=32, num_layers=3, block_size=16, num_kv_heads=2, hea
 
 CHILD = """
 import sys, msgspec, torch
-from steadfast.kv.arena import KVArena
-from steadfast.protocol import CudaIpcHandle
+from steadfast.kv.arena.arena import KVArena
+from steadfast.wire.worker import CudaIpcHandle
 a = KVArena.attach_ipc(msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CudaIpcHandle))
 k, v = a.layer(2)
 print(a.device.type, k[:, 6, 3].float().flatten().tolist())
@@ -71,8 +71,8 @@ def test_a_handle_for_a_larger_arena_is_refused():
 
 WRITER = """
 import os, sys, time, torch
-from steadfast.kv.arena import map_arena
-from steadfast.kv.pool_client import PoolClient
+from steadfast.kv.arena.arena import map_arena
+from steadfast.kv.pool.client import PoolClient
 pool = PoolClient(sys.argv[1], "writer")
 arena = map_arena(pool.register(os.getpid()))
 block = pool.grant(4)[0]
@@ -95,7 +95,7 @@ class DevicePool:
         self.args = [
             sys.executable,
             "-m",
-            "steadfast.kv.pool",
+            "steadfast.kv.pool.daemon",
             "--config-json",
             json.dumps(cfg.to_dict()),
             "--address",

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from steadfast.config import Config
-from steadfast.kv.arena import KVArena, map_arena
+from steadfast.kv.arena.arena import KVArena, map_arena
+from steadfast.kv.arena.spec import arena_spec
 from steadfast.kv.integrity import check_node
-from steadfast.kv.ledger_url import open_ledger
-from steadfast.kv.pool_client import PoolClient
-from steadfast.kv.spec import arena_spec
+from steadfast.kv.ledger.open import open_ledger
+from steadfast.kv.pool.client import PoolClient
 from steadfast.worker.engine import Engine, load_model
-from steadfast.worker.ledger_sync import LedgerSync
+from steadfast.worker.kv.ledger_sync import LedgerSync
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS
 from tests.engine_logits import chat_requests, first_divergence, run

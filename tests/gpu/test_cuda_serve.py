@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from steadfast.config import Config
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine, load_model, private_arena
 from tests.integration.server import ServerProcess
 

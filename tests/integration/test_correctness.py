@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine
 from tests.conftest import PROMPTS
 

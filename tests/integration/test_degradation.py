@@ -265,7 +265,7 @@ def test_kv_pressure_takes_the_ladder_to_l3_and_offloaded_low_requests_keep_ever
     history = level(server)["history"]
     assert any(c["new"] == 3 and "KV use" in c["reason"] for c in history), history
 
-    from steadfast.protocol import AddRequest, SamplingParams
+    from steadfast.wire.worker import AddRequest, SamplingParams
 
     engine = make_engine(small_config, small_model)
     tok = small_model.tokenizer

@@ -18,9 +18,9 @@ import pytest
 
 from steadfast.config import Config
 from steadfast.kv.integrity import check_node
-from steadfast.kv.pool import process_gone
-from steadfast.kv.pool_client import PoolClient
-from steadfast.protocol import AddRequest, Resume, SamplingParams
+from steadfast.kv.pool.client import PoolClient
+from steadfast.kv.pool.daemon import process_gone
+from steadfast.wire.worker import AddRequest, Resume, SamplingParams
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import ServerProcess

@@ -1,4 +1,4 @@
-"""`kv/etcd_client.py` against a real 3-member etcd cluster on loopback: keys, prefixes, transactions that
+"""`util/etcd.py` against a real 3-member etcd cluster on loopback: keys, prefixes, transactions that
 reject a stale writer, leases on etcd's clock, and the leader killed under writes with nothing lost."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from steadfast.kv.etcd_client import Compare, Delete, EtcdClient, EtcdError, Get, Put, Result, Target, kvs_of
+from steadfast.util.etcd import Compare, Delete, EtcdClient, EtcdError, Get, Put, Result, Target, kvs_of
 from tests.etcd_cluster import EtcdCluster
 
 pytestmark = [

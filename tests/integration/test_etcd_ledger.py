@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from steadfast.kv.etcd_client import EtcdClient
-from steadfast.kv.history import RecordingLedger, check_history
-from steadfast.kv.ledger import FencedError, LedgerError, RequestCheckpoint
-from steadfast.kv.ledger_url import open_ledger
+from steadfast.kv.ledger.history import RecordingLedger, check_history
+from steadfast.kv.ledger.interface import FencedError, LedgerError, RequestCheckpoint
+from steadfast.kv.ledger.open import open_ledger
+from steadfast.util.etcd import EtcdClient
 from tests.etcd_cluster import EtcdCluster
 
 pytestmark = [

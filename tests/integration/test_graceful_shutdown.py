@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from steadfast.control.shutdown import ENDED
+from steadfast.control.http.shutdown import ENDED
 from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
 

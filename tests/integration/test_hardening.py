@@ -299,7 +299,7 @@ def _rss_kib(sid: int) -> int:
     """Private resident memory (`RssAnon`: where a leak lives) of every process of session `sid` (the
     server and its children, each of which has a process group of its own). Not `VmRSS`: that counts the
     KV arena's shared pages too, which each worker populates in the background as the arena is made
-    (`kv/arena_prefix.py`), so it grows with the arena's use with nothing leaked."""
+    (`kv/arena/grants.py`), so it grows with the arena's use with nothing leaked."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.kv.ledger.open import open_ledger, sqlite_url
+from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import ServerProcess, serving
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import serving
 

@@ -58,10 +58,10 @@ def test_the_launcher_does_not_import_torch():
     """The supervisor outlives every other process and only starts, watches and fences them, so its
     modules must not pull torch in (a worker's private arena is made without mapping it: the worker maps
     it), and with a CPU-only torch it knows `model.device: auto` is the CPU without asking torch."""
-    probe = "import sys, steadfast.ops.cli, steadfast.ops.launcher; print('torch' in sys.modules)"
+    probe = "import sys, steadfast.ops.cli, steadfast.ops.supervisor.launcher; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
     # Nor the kvpool daemon on the CPU (it makes and reserves its arena's pages, never maps them).
-    probe = "import sys, steadfast.kv.pool; print('torch' in sys.modules)"
+    probe = "import sys, steadfast.kv.pool.daemon; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
 
     if cpu_only_torch():

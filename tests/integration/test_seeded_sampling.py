@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.conftest import PROMPTS
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.conftest import deterministic, load_deterministic
 
 pytestmark = pytest.mark.integration

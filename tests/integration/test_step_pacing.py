@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.main import warm_up
 from tests.conftest import PROMPTS
 

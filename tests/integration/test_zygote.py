@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from steadfast.config import Config
-from steadfast.kv.pool import process_gone
-from steadfast.protocol import WorkerForked, decode_from_zygote, encode
+from steadfast.kv.pool.daemon import process_gone
+from steadfast.wire.codec import encode
+from steadfast.wire.zygote import WorkerForked, decode_from_zygote
 from tests.chaos.test_crash_recovery import admin, small_server_config
 from tests.conftest import wait_until
 from tests.integration.server import ServerProcess

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from steadfast.kv.etcd_ledger import EtcdLedger
-from steadfast.kv.etcd_records import lease_of
-from steadfast.kv.ledger import Ledger
-from steadfast.kv.ledger_url import open_ledger, sqlite_url
+from steadfast.kv.ledger.etcd import EtcdLedger
+from steadfast.kv.ledger.etcd_records import lease_of
+from steadfast.kv.ledger.interface import Ledger
+from steadfast.kv.ledger.open import open_ledger, sqlite_url
 from tests.etcd_cluster import shared_etcd
 
 LEDGER_BACKENDS = ["sqlite", "etcd"]

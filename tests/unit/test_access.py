@@ -13,11 +13,11 @@ import pytest
 import uvicorn
 
 from steadfast.config import Config, ConfigError
-from steadfast.config_access import AccessConfig, ApiKey
-from steadfast.control.access import Access, host_name
-from steadfast.control.guard import Guard, GuardConfig, refusal
-from steadfast.control.http_limits import bounded_protocol
-from steadfast.protocol import Priority
+from steadfast.config.access import AccessConfig, ApiKey
+from steadfast.control.http.access import Access, host_name
+from steadfast.control.http.guard import Guard, GuardConfig, refusal
+from steadfast.control.http.limits import bounded_protocol
+from steadfast.wire.worker import Priority
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Admission through the degradation ladder (control/degrade.py) on a registry of workers with injected
+"""Admission through the degradation ladder (control/ladder/degrade.py) on a registry of workers with injected
 status reports and requests in flight: bounded per-priority queues, refusals by predicted TTFT (low
 first, high never), L4's caps, L5's breaker with the high-priority reserve, the orders workers get;
 and the TTFT prediction and context truncation it relies on."""
@@ -10,16 +10,24 @@ import asyncio
 import pytest
 
 from steadfast.config import DegradationConfig, SchedulerConfig, SloConfig
-from steadfast.config_base import ConfigError
-from steadfast.control.degrade import Degradation, Sources
-from steadfast.control.delivery import Flight, Watermark
-from steadfast.control.errors import APIError
-from steadfast.control.ladder import Level
-from steadfast.control.ladder_view import ladder_view
-from steadfast.control.signals import TTFT_LEARN_FROM_S, Calibration, Queued, Running, Window, WorkerLoad, predict_ttft
-from steadfast.control.truncate import cut_chat, cut_prompt
-from steadfast.control.workers import WorkerRegistry
-from steadfast.protocol import AddRequest, Degrade, Priority, SamplingParams, WorkerRole, WorkerState, WorkerStatus
+from steadfast.config.base import ConfigError
+from steadfast.control.fleet.delivery import Flight, Watermark
+from steadfast.control.fleet.signals import (
+    TTFT_LEARN_FROM_S,
+    Calibration,
+    Queued,
+    Running,
+    Window,
+    WorkerLoad,
+    predict_ttft,
+)
+from steadfast.control.fleet.workers import WorkerRegistry
+from steadfast.control.http.errors import APIError, refusal_error
+from steadfast.control.http.truncate import cut_chat, cut_prompt
+from steadfast.control.ladder.degrade import Degradation, Plan, Refusal, Sources
+from steadfast.control.ladder.ladder import Level
+from steadfast.control.ladder.view import ladder_view
+from steadfast.wire.worker import AddRequest, Degrade, Priority, SamplingParams, WorkerRole, WorkerState, WorkerStatus
 
 pytestmark = pytest.mark.unit
 
@@ -59,8 +67,12 @@ class Service:
         cost = {"step_base_ms": 10.0, "step_decode_ms": 1.0, "step_prefill_ms": 1.0}
         self.registry.observe(WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY, total, used, **cost))
 
-    def admit(self, priority: Priority, prompt: int = 64, output: int = 64) -> object:
-        return self.d.plan(f"r{len(self.flights)}-{priority}", priority, [1] * prompt, output)
+    def admit(self, priority: Priority, prompt: int = 64, output: int = 64) -> Plan:
+        """The plan of an admitted request; a refusal raised as the HTTP layer turns it into an error."""
+        plan = self.d.plan(f"r{len(self.flights)}-{priority}", priority, [1] * prompt, output)
+        if isinstance(plan, Refusal):
+            raise refusal_error(plan)
+        return plan
 
 
 def test_predicted_ttft_counts_the_queue_ahead_at_or_above_the_priority_and_waits_for_kv():

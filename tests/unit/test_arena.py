@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.arena.arena import ArenaSpec, KVArena
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +45,7 @@ def test_second_process_reads_what_first_wrote(arena):
     k[:, 6, 3] = torch.arange(16, dtype=torch.bfloat16).view(2, 8)
     v[:, 1, 15] = -7.5
     code = (
-        "import sys, torch; from steadfast.kv.arena import KVArena\n"
+        "import sys, torch; from steadfast.kv.arena.arena import KVArena\n"
         "a = KVArena.attach(sys.argv[1]); k, v = a.layer(2)\n"
         "print(k[:, 6, 3].float().flatten().tolist()); print(v[:, 1, 15].float().unique().tolist())\n"
         "k[0, 0, 0, 0] = 42\n"  # and write back, for the parent to see

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from steadfast.ops.arena_dir import ArenaDir
+from steadfast.ops.supervisor.arena_dir import ArenaDir
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +29,7 @@ def test_the_folder_is_private_and_a_normal_exit_removes_it(tmp_path):
 def killed_launcher_folder(parent: str) -> str:
     """The folder of a launcher (another process) killed with SIGKILL, an arena file left in it."""
     code = (
-        "import sys, time; from steadfast.ops.arena_dir import ArenaDir\n"
+        "import sys, time; from steadfast.ops.supervisor.arena_dir import ArenaDir\n"
         "f = ArenaDir.create(sys.argv[1]); open(f.path + '/kvpool.kv', 'w').close()\n"
         "print(f.path, flush=True); time.sleep(60)\n"
     )

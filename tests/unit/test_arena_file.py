@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.arena.arena import ArenaSpec, KVArena
 
 pytestmark = pytest.mark.unit
 
@@ -73,7 +73,7 @@ def test_attach_refuses_files_that_are_not_ours_alone(tmp_path):
 
 
 def test_an_arena_larger_than_the_free_space_is_refused_when_made(tmp_path):
-    from steadfast.kv.arena_file import ArenaSpaceError, free_bytes
+    from steadfast.kv.arena.files import ArenaSpaceError, free_bytes
 
     spec = dataclasses.replace(SPEC, num_blocks=2 * free_bytes(str(tmp_path)) // SPEC.block_bytes + 1)
     with pytest.raises(ArenaSpaceError) as refused:
@@ -85,7 +85,7 @@ def test_an_arena_larger_than_the_free_space_is_refused_when_made(tmp_path):
 
 def test_no_room_found_while_reserving_is_reported_and_leaves_nothing(tmp_path, monkeypatch):
     """The filesystem fills between the free-space check and the reservation (another process)."""
-    from steadfast.kv.arena_file import ArenaSpaceError
+    from steadfast.kv.arena.files import ArenaSpaceError
 
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from steadfast.config import Config
-from steadfast.kv import arena_prefix
-from steadfast.kv.arena import KVArena
-from steadfast.kv.arena_prefix import Reserved, spans
-from steadfast.kv.ledger_url import sqlite_url
-from steadfast.kv.pool import KVPool
-from steadfast.kv.spec import ArenaSpec
-from steadfast.protocol import PoolGrant, PoolRegister
+from steadfast.kv.arena import grants as arena_prefix
+from steadfast.kv.arena.arena import KVArena
+from steadfast.kv.arena.grants import Reserved, spans
+from steadfast.kv.arena.spec import ArenaSpec
+from steadfast.kv.ledger.open import sqlite_url
+from steadfast.kv.pool.daemon import KVPool
+from steadfast.wire.pool import PoolGrant, PoolRegister
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.kv.block_manager import BlockManager
+from steadfast.worker.core.block_manager import BlockManager
 from tests.unit.fake_pool import FakePool
 
 pytestmark = pytest.mark.unit
@@ -223,7 +223,7 @@ def test_a_receiving_manager_gives_cached_blocks_beyond_its_cap_back_to_the_pool
     workers would run out of blocks while this one hoards free ones."""
     pool = FakePool(64)
     d = BlockManager(64, BS, source=pool, grant_batch=4)  # caps: min(16, 64 // 8) = 8 blocks
-    assert d.cache_cap == d.spare_cap == 8
+    assert d.cache.cache_cap == d.cache.spare_cap == 8
     order = []
     for i in range(6):  # six requests of two full blocks each, received and finished in turn
         prompt = toks(1000 * i, 2 * BS)

@@ -17,21 +17,21 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from steadfast.control.api import create_app
-from steadfast.control.delivery import Flight, Watermark
-from steadfast.control.engine_client import EngineClient
-from steadfast.control.resume import Resumption, UnknownRequestError
-from steadfast.control.serving import ServingContext
-from steadfast.kv.etcd_client import Put
-from steadfast.kv.etcd_ledger import TXN_BYTES, EtcdLedger
-from steadfast.kv.ledger import LedgerError, RequestCheckpoint
-from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.kv.sqlite_ledger import SqliteLedger
-from steadfast.kv.sqlite_rows import ids_blob
+from steadfast.control.fleet.client import EngineClient
+from steadfast.control.fleet.delivery import Flight, Watermark
+from steadfast.control.fleet.resume import Resumption, UnknownRequestError
+from steadfast.control.http.api import create_app
+from steadfast.control.http.serving import ServingContext
+from steadfast.kv.ledger.etcd import TXN_BYTES, EtcdLedger
+from steadfast.kv.ledger.interface import LedgerError, RequestCheckpoint
+from steadfast.kv.ledger.open import open_ledger, sqlite_url
+from steadfast.kv.ledger.sqlite import SqliteLedger
+from steadfast.kv.ledger.sqlite_rows import ids_blob
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.protocol import AddRequest, FinishReason, SamplingParams
+from steadfast.util.etcd import Put
+from steadfast.wire.worker import AddRequest, FinishReason, SamplingParams
 from steadfast.worker.engine import Engine
-from steadfast.worker.ledger_sync import LedgerSync
+from steadfast.worker.kv.ledger_sync import LedgerSync
 from tests.etcd_cluster import shared_etcd
 
 pytestmark = pytest.mark.unit

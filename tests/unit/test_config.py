@@ -121,7 +121,7 @@ def test_durations(text, seconds):
 
 
 def test_dtype_auto_is_bf16_only_where_the_cpu_computes_it_fast(monkeypatch):
-    from steadfast import config as config_module
+    from steadfast.config import engine as config_module  # where ModelConfig looks the probe up
 
     flags = Path("/proc/cpuinfo").read_text()
     assert config_module.cpu_computes_bf16() == (" avx512bw" in flags or " avx512_bf16" in flags)
@@ -136,7 +136,7 @@ def test_dtype_auto_is_bf16_only_where_the_cpu_computes_it_fast(monkeypatch):
 def test_workers_share_the_cores_by_default(monkeypatch):
     """Two workers each on every core wait at each other's OpenMP barriers (3-4x slower measured): by
     default the cores this process may use are shared among the workers that compute, standbys aside."""
-    from steadfast.env import torch_threads
+    from steadfast.config.env import torch_threads
 
     monkeypatch.delenv("STEADFAST_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from steadfast.worker.runner import split_by_width
+from steadfast.worker.core.runner import split_by_width
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from steadfast.model import decode_layers
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import load_model
 from tests.conftest import kernel_or_skip
 from tests.engine_logits import run

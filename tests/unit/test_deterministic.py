@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from steadfast.config import Config, ConfigError
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import load_model
 from tests.engine_logits import run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.worker.detokenizer import Detokenizer
+from steadfast.worker.core.detokenizer import Detokenizer
 
 pytestmark = pytest.mark.unit
 

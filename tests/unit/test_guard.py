@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from steadfast.control.api import tokenized
-from steadfast.control.errors import APIError
-from steadfast.control.guard import GuardConfig, refusal
-from steadfast.control.serving import ServingContext
+from steadfast.control.http.api import tokenized
+from steadfast.control.http.errors import APIError
+from steadfast.control.http.guard import GuardConfig, refusal
+from steadfast.control.http.serving import ServingContext
 
 pytestmark = pytest.mark.unit
 
@@ -86,7 +86,7 @@ def test_tokenizing_runs_off_the_event_loop():
 
 
 def test_calls_over_the_connection_limit_get_429_and_bodies_over_the_limit_413():
-    from steadfast.control.guard import Guard
+    from steadfast.control.http.guard import Guard
 
     release = asyncio.Event()
 
@@ -129,8 +129,8 @@ def test_calls_over_the_connection_limit_get_429_and_bodies_over_the_limit_413()
 
 
 def test_a_stopping_router_refuses_new_v1_calls_with_503_and_says_it_is_not_ready():
-    from steadfast.control.guard import Guard
-    from steadfast.control.shutdown import Shutdown
+    from steadfast.control.http.guard import Guard
+    from steadfast.control.http.shutdown import Shutdown
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -207,7 +207,7 @@ class FakeServer:
 
 
 def drained(client: FakeClient, timeout_s: float, signals: int = 1) -> tuple[float, FakeServer]:
-    from steadfast.control.shutdown import Phase, Shutdown
+    from steadfast.control.http.shutdown import Phase, Shutdown
 
     async def run() -> tuple[float, FakeServer]:
         shutdown, server = Shutdown(), FakeServer()
@@ -232,7 +232,7 @@ def test_a_stopping_router_waits_for_its_requests_then_exits():
 
 
 def test_requests_past_the_shutdown_timeout_end_with_an_error_and_are_aborted_on_their_workers():
-    from steadfast.control.shutdown import ENDED
+    from steadfast.control.http.shutdown import ENDED
 
     client = FakeClient(requests=2, steps=None)
     took, server = drained(client, timeout_s=0.3)

@@ -9,12 +9,13 @@ import random
 import pytest
 
 from steadfast.config import HealthConfig, RoutingConfig, SchedulerConfig
-from steadfast.control.health import HealthMonitor, Sample, Standing, delta_score, tpot_p99
-from steadfast.control.routing import Router
-from steadfast.control.signals import WorkerLoad
-from steadfast.control.workers import Liveness, WorkerRegistry
-from steadfast.kv.block_manager import BlockManager, chain
-from steadfast.protocol import CacheEvents, Priority, WorkerRole, WorkerState, WorkerStatus
+from steadfast.control.fleet.health import HealthMonitor, Sample, Standing, delta_score, tpot_p99
+from steadfast.control.fleet.routing import Router
+from steadfast.control.fleet.signals import WorkerLoad
+from steadfast.control.fleet.workers import Liveness, WorkerRegistry
+from steadfast.kv.names import chain
+from steadfast.wire.worker import CacheEvents, Priority, WorkerRole, WorkerState, WorkerStatus
+from steadfast.worker.core.block_manager import BlockManager
 
 pytestmark = pytest.mark.unit
 
@@ -213,7 +214,7 @@ def test_kv_aware_routing_prefers_the_cached_prefix_until_the_queue_costs_more()
     assert router.choose(workers, prompt, Priority.NORMAL, "a").worker_id == 1
     assert router.decisions[-1].candidates[1].cached_tokens == 511
     # A long queue of prompts ahead on worker 1 outweighs the cached prefix.
-    from steadfast.control.signals import Queued
+    from steadfast.control.fleet.signals import Queued
 
     loads[1].queued = [Queued(Priority.NORMAL, 2000, 1, 0.0)]
     assert router.choose(workers, prompt, Priority.NORMAL, "b").worker_id == 0
@@ -252,9 +253,9 @@ def test_moves_take_the_lowest_priority_first_and_skip_those_moved_lately():
     import asyncio
 
     from steadfast.config import MigrationConfig
-    from steadfast.control.delivery import Flight, Watermark
-    from steadfast.control.migration import Migrations
-    from steadfast.protocol import AddRequest, SamplingParams
+    from steadfast.control.fleet.delivery import Flight, Watermark
+    from steadfast.control.fleet.migration import Migrations
+    from steadfast.wire.worker import AddRequest, SamplingParams
 
     cfg = HealthConfig(min_baseline=8, worker_cooldown_s=0.0)
     h = HealthMonitor(cfg)

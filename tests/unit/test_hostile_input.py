@@ -12,16 +12,15 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from steadfast import env
-from steadfast.config import Config, ConfigError
-from steadfast.control.api import create_app
-from steadfast.control.resume_token import MAX_HELD, TOKEN_HEX, parse_event_id
-from steadfast.control.serving import ServingContext
-from steadfast.kv.ledger_address import is_loopback_host, plaintext_remote_members
+from steadfast.cluster.node import PartRole
+from steadfast.config import Config, ConfigError, env
+from steadfast.config.ledger_url import is_loopback_host, plaintext_remote_members
+from steadfast.control.http.api import create_app
+from steadfast.control.http.resume_token import MAX_HELD, TOKEN_HEX, parse_event_id
+from steadfast.control.http.serving import ServingContext
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.ops.bench_cli import server_keys
-from steadfast.ops.cluster_part import PartRole
-from steadfast.ops.launcher import warn_exposure
+from steadfast.ops.harness.bench_cli import server_keys
+from steadfast.ops.supervisor.launcher import warn_exposure
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ import time
 import pytest
 import zmq
 
-from steadfast import protocol
-from steadfast.ipc import WorkerInbox
-from steadfast.protocol import AbortRequest
+from steadfast.wire.codec import encode
+from steadfast.wire.queues import WorkerInbox
+from steadfast.wire.worker import AbortRequest
 
 pytestmark = pytest.mark.unit
 
@@ -21,9 +21,9 @@ def test_garbage_is_dropped_and_the_next_message_arrives(tmp_path):
     push = ctx.socket(zmq.PUSH)
     push.connect(address)
     try:
-        for junk in (b"", b"\xff\x00garbage", protocol.encode(AbortRequest(["a"]))[:-1], b"[1, 2, 3]"):
+        for junk in (b"", b"\xff\x00garbage", encode(AbortRequest(["a"]))[:-1], b"[1, 2, 3]"):
             push.send(junk)
-        push.send(protocol.encode(AbortRequest(["r1"])))
+        push.send(encode(AbortRequest(["r1"])))
         got: list = []
         deadline = time.monotonic() + 5
         while not got and time.monotonic() < deadline:

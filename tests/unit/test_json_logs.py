@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from steadfast.ipc import about, setup_logging
+from steadfast.util.log import about, setup_logging
 
 pytestmark = pytest.mark.unit
 

@@ -17,9 +17,8 @@ import xxhash
 import zmq
 
 from steadfast.config import Config, TransferConfig
-from steadfast.kv.arena import KVArena
+from steadfast.kv.arena.arena import KVArena
 from steadfast.kv.moves.checks import Drop, IncomingLimits, max_message_bytes
-from steadfast.kv.moves.curve import CurveKeys, TransferSide, write_deployment_keys
 from steadfast.kv.moves.messages import Abort, AbortReason, Commit, CommitAck, Copy, MoveOutcome, Prealloc, Reserved
 from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
@@ -27,10 +26,11 @@ from steadfast.kv.moves.seal import Opener, Sealer, SealError, new_key
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.transport import PathDownError, ZmqPath
 from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, encode
-from steadfast.ops.children import ChildKind, ChildSpec, OnExit
-from steadfast.ops.launcher import Launcher, PoolNode
-from steadfast.protocol import WorkerRole, WorkerState, WorkerStatus
-from steadfast.worker.main import _other_nodes, transfer_side
+from steadfast.ops.supervisor.children import ChildKind, ChildSpec, OnExit
+from steadfast.ops.supervisor.launcher import Launcher, PoolNode
+from steadfast.wire.curve import KeyFile, TransferSide, write_deployment_keys
+from steadfast.wire.worker import WorkerRole, WorkerState, WorkerStatus
+from steadfast.worker.kv.wiring import _other_nodes, transfer_side
 from tests.unit.fake_pool import FakePool
 from tests.unit.test_move_receiver import SPEC, Source
 from tests.unit.test_transfer import wait_result
@@ -51,7 +51,7 @@ def source_arena() -> KVArena:
 def make_rx():
     made: list[KVReceiver] = []
 
-    def make(keys: CurveKeys | None = None, limits: IncomingLimits | None = None) -> tuple[KVReceiver, FakePool]:
+    def make(keys: KeyFile | None = None, limits: IncomingLimits | None = None) -> tuple[KVReceiver, FakePool]:
         pool = FakePool(SPEC.num_blocks)
         arena = KVArena.create_device(SPEC, "cpu")
         made.append(
@@ -162,7 +162,7 @@ def test_a_one_node_deployment_binds_no_kv_socket_and_a_decode_node_receives_wit
     }
     for key, argv in two.items():
         paths = [argv[i + 1] for i, a in enumerate(argv) if a == "--transfer-keys"]
-        loaded = [CurveKeys.load(p) for p in paths]
+        loaded = [KeyFile.load(p) for p in paths]
         want = {TransferSide.SEND, TransferSide.RECEIVE} if sides[key] is TransferSide.BOTH else {sides[key]}
         assert {k.side for k in loaded} == want and len(paths) == len(want)
         assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths)
@@ -173,18 +173,18 @@ def test_a_one_node_deployment_binds_no_kv_socket_and_a_decode_node_receives_wit
 # --- 2. authentication ----------------------------------------------------------------------------------
 def test_only_the_deployments_client_key_gets_a_message_through(tmp_path, make_rx, source_arena):
     paths = write_deployment_keys(tmp_path)
-    server, client = CurveKeys.load(paths[TransferSide.RECEIVE]), CurveKeys.load(paths[TransferSide.SEND])
+    server, client = KeyFile.load(paths[TransferSide.RECEIVE]), KeyFile.load(paths[TransferSide.SEND])
     rx, pool = make_rx(keys=server)
     address = rx.addresses[0]
     plain = Source(address)  # no CURVE at all
     plain.send(Prealloc("p/0", 3))
-    made_up = CurveKeys(TransferSide.SEND, *zmq.curve_keypair(), peers=(server.public,))  # knows the server key
+    made_up = KeyFile(TransferSide.SEND, *zmq.curve_keypair(), peers=(server.public,))  # knows the server key
     stranger = Source(address, keys=made_up)
     stranger.send(Prealloc("s/0", 3))
     assert quiet_and_empty(rx, pool, plain) and quiet_and_empty(rx, pool, stranger)
     # A sender pinned to another deployment's server key never streams to this receiver either.
     (tmp_path / "other").mkdir()
-    other = CurveKeys.load(write_deployment_keys(tmp_path / "other")[TransferSide.SEND])
+    other = KeyFile.load(write_deployment_keys(tmp_path / "other")[TransferSide.SEND])
     tx_other = KVSender(SPEC.num_layers, 0.2, 0, 0.01, block_size=SPEC.block_size, keys=other)
     tx = KVSender(SPEC.num_layers, 1.0, 2, 0.01, block_size=SPEC.block_size, keys=client)
     try:
@@ -354,9 +354,9 @@ def test_another_connection_cannot_write_a_session_nor_a_second_move_replace_a_c
 
 
 # --- 7. the sealed data channel ------------------------------------------------------------------------
-def curve_pair(tmp_path) -> tuple[CurveKeys, CurveKeys]:
+def curve_pair(tmp_path) -> tuple[KeyFile, KeyFile]:
     paths = write_deployment_keys(tmp_path)
-    return CurveKeys.load(paths[TransferSide.RECEIVE]), CurveKeys.load(paths[TransferSide.SEND])
+    return KeyFile.load(paths[TransferSide.RECEIVE]), KeyFile.load(paths[TransferSide.SEND])
 
 
 def test_a_curve_transfer_moves_its_bytes_sealed_on_the_data_channel(tmp_path, make_rx, source_arena):

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from steadfast.config import DegradationConfig
-from steadfast.control.ladder import Ladder, Level, Snapshot
-from steadfast.control.signals import Window
+from steadfast.control.fleet.signals import Window
+from steadfast.control.ladder.ladder import Ladder, Level, Snapshot
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from steadfast.kv.pool_client import LeaseKeeper
-from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.kv.ledger.sqlite import SqliteLedger
+from steadfast.kv.pool.client import LeaseKeeper
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.unit

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from steadfast.kv.history import Op, RecordingLedger, check_history, load_journal
-from steadfast.kv.ledger import (
+from steadfast.kv.ledger.history import Op, RecordingLedger, check_history, load_journal
+from steadfast.kv.ledger.interface import (
     BlockState,
     FencedError,
     LeaseHeldError,
@@ -20,9 +20,9 @@ from steadfast.kv.ledger import (
     LedgerUnavailableError,
     RequestCheckpoint,
 )
-from steadfast.kv.ledger_url import open_ledger
+from steadfast.kv.ledger.open import open_ledger
+from steadfast.kv.ledger.sqlite import SqliteLedger
 from steadfast.kv.moves.messages import MoveOutcome
-from steadfast.kv.sqlite_ledger import SqliteLedger
 from tests.unit.conftest import lapse, ledger_url_in
 
 pytestmark = pytest.mark.unit
@@ -414,7 +414,7 @@ def test_node_check_verifies_sealed_bytes_and_tables(ledger_factory):
     import os
     import uuid
 
-    from steadfast.kv.arena import ArenaSpec, KVArena
+    from steadfast.kv.arena.arena import ArenaSpec, KVArena
     from steadfast.kv.integrity import check_node
 
     arena = KVArena.create(

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.kv.history import Op, RecordingLedger, check_history
-from steadfast.kv.ledger import BlockState, FencedError, LedgerError
+from steadfast.kv.ledger.history import Op, RecordingLedger, check_history
+from steadfast.kv.ledger.interface import BlockState, FencedError, LedgerError
 from tests.unit.test_ledger import Clock
 
 pytestmark = pytest.mark.unit

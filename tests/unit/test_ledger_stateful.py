@@ -20,11 +20,11 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from steadfast.kv.etcd_ledger import EtcdLedger
-from steadfast.kv.history import RecordingLedger, check_history
-from steadfast.kv.ledger import BlockState, LeaseState, Ledger, LedgerError, RequestCheckpoint
-from steadfast.kv.ledger_url import open_ledger
-from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.kv.ledger.etcd import EtcdLedger
+from steadfast.kv.ledger.history import RecordingLedger, check_history
+from steadfast.kv.ledger.interface import BlockState, LeaseState, Ledger, LedgerError, RequestCheckpoint
+from steadfast.kv.ledger.open import open_ledger
+from steadfast.kv.ledger.sqlite import SqliteLedger
 from tests.unit.conftest import lapse, ledger_url_in
 
 pytestmark = pytest.mark.unit

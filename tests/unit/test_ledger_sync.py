@@ -1,4 +1,4 @@
-"""The worker's ledger writes (worker/ledger_sync.py) against a real SQLite ledger: a store that fails a
+"""The worker's ledger writes (worker/kv/ledger_sync.py) against a real SQLite ledger: a store that fails a
 write for a moment pauses the engine and retries, a fenced write never is retried, and how a request
 ended reaches the ledger even when no next step follows."""
 
@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import pytest
 
 from steadfast.config import Config
-from steadfast.kv import sqlite_ledger
-from steadfast.kv.ledger import LedgerUnavailableError
-from steadfast.kv.ledger_url import open_ledger, sqlite_url
-from steadfast.kv.pool_client import LeaseLostError
-from steadfast.protocol import FinishReason, SamplingParams
-from steadfast.worker import ledger_sync
-from steadfast.worker.ledger_sync import LedgerSync
-from steadfast.worker.request import Request, Status
+from steadfast.kv.ledger import sqlite as sqlite_ledger
+from steadfast.kv.ledger.interface import LedgerUnavailableError
+from steadfast.kv.ledger.open import open_ledger, sqlite_url
+from steadfast.kv.pool.client import LeaseLostError
+from steadfast.wire.worker import FinishReason, SamplingParams
+from steadfast.worker.core.request import Request, Status
+from steadfast.worker.kv import ledger_sync
+from steadfast.worker.kv.ledger_sync import LedgerSync
 
 pytestmark = pytest.mark.unit
 

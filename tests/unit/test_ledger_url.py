@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from steadfast.kv.etcd_ledger import EtcdLedger
-from steadfast.kv.ledger import LedgerError, LedgerUnavailableError, LedgerUrlError
-from steadfast.kv.ledger_url import open_ledger, sibling_ledger_url, sqlite_url
-from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.config.ledger_url import LedgerUrlError
+from steadfast.kv.ledger.etcd import EtcdLedger
+from steadfast.kv.ledger.interface import LedgerError, LedgerUnavailableError
+from steadfast.kv.ledger.open import open_ledger, sibling_ledger_url, sqlite_url
+from steadfast.kv.ledger.sqlite import SqliteLedger
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from steadfast.ops.loadgen import LoadGenerator, Workload
+from steadfast.ops.harness.loadgen import LoadGenerator, Workload
 from tests.integration.server import free_port
 
 pytestmark = pytest.mark.unit

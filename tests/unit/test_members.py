@@ -1,5 +1,5 @@
-"""The deployment's records in etcd (members.py), the router's reading of them (control/membership.py)
-and the router <-> worker keys (cluster_keys.py), on the shared single-member test etcd."""
+"""The deployment's records in etcd (cluster/members.py), the router's reading of them (cluster/membership.py)
+and the router <-> worker keys (wire/curve.py), on the shared single-member test etcd."""
 
 from __future__ import annotations
 
@@ -12,13 +12,21 @@ import msgspec
 import pytest
 import zmq
 
-from steadfast.cluster_keys import ClusterKeys, ClusterSide, as_client, as_server, guard, write_cluster_keys
-from steadfast.control.membership import Membership
-from steadfast.kv.etcd_client import EtcdUnavailableError
-from steadfast.kv.ledger import LeaseState
-from steadfast.kv.ledger_url import open_ledger
-from steadfast.members import Gone, Members, MembershipError, NodeMembership, NodeRecord, WorkerEntry, check_node_name
-from steadfast.protocol import WorkerDied, WorkerJoined, WorkerRole
+from steadfast.cluster.members import (
+    Gone,
+    Members,
+    MembershipError,
+    NodeMembership,
+    NodeRecord,
+    WorkerEntry,
+    check_node_name,
+)
+from steadfast.cluster.membership import Membership
+from steadfast.kv.ledger.interface import LeaseState
+from steadfast.kv.ledger.open import open_ledger
+from steadfast.util.etcd import EtcdUnavailableError
+from steadfast.wire.curve import ClusterSide, KeyFile, as_client, as_server, guard, write_cluster_keys
+from steadfast.wire.worker import WorkerDied, WorkerJoined, WorkerRole
 from tests.etcd_cluster import shared_etcd
 
 pytestmark = pytest.mark.unit
@@ -162,16 +170,16 @@ def test_the_router_fences_a_lost_nodes_workers_before_declaring_them_dead(membe
 
 def test_cluster_keys_let_in_only_the_other_side(tmp_path):
     paths = write_cluster_keys(tmp_path / "keys")
-    router = ClusterKeys.load(paths[ClusterSide.ROUTER], ClusterSide.ROUTER)
-    node = ClusterKeys.load(paths[ClusterSide.NODE], ClusterSide.NODE)
+    router = KeyFile.load(paths[ClusterSide.ROUTER], ClusterSide.ROUTER)
+    node = KeyFile.load(paths[ClusterSide.NODE], ClusterSide.NODE)
     assert oct(paths[ClusterSide.NODE].stat().st_mode & 0o777) == "0o600"
     with pytest.raises(ValueError, match="router's keys"):
-        ClusterKeys.load(paths[ClusterSide.ROUTER], ClusterSide.NODE)
+        KeyFile.load(paths[ClusterSide.ROUTER], ClusterSide.NODE)
     with pytest.raises(FileExistsError):
         write_cluster_keys(tmp_path / "keys")  # never overwritten
 
     ctx = zmq.Context()
-    auth = guard(ctx, router)
+    auth = guard(ctx, router.peers)
     try:
         inbox = ctx.socket(zmq.PULL)
         as_server(inbox, router)
@@ -180,7 +188,7 @@ def test_cluster_keys_let_in_only_the_other_side(tmp_path):
         good, bad = client.socket(zmq.PUSH), client.socket(zmq.PUSH)
         as_client(good, node)
         # An impostor that knows the router's public key but holds no node key.
-        impostor = ClusterKeys(ClusterSide.NODE, *zmq.curve_keypair(), peer=router.public)
+        impostor = KeyFile(ClusterSide.NODE, *zmq.curve_keypair(), peers=(router.public,))
         as_client(bad, impostor)
         for sock in (good, bad):
             sock.setsockopt(zmq.LINGER, 0)
@@ -201,13 +209,13 @@ def test_an_asyncio_context_is_guarded_too(tmp_path):
     import zmq.asyncio
 
     paths = write_cluster_keys(tmp_path / "keys")
-    router = ClusterKeys.load(paths[ClusterSide.ROUTER], ClusterSide.ROUTER)
-    node = ClusterKeys.load(paths[ClusterSide.NODE], ClusterSide.NODE)
+    router = KeyFile.load(paths[ClusterSide.ROUTER], ClusterSide.ROUTER)
+    node = KeyFile.load(paths[ClusterSide.NODE], ClusterSide.NODE)
     assert router.secret.decode() not in repr(router)  # (a key in a traceback is a key in a log)
 
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
-        auth = guard(ctx, router)
+        auth = guard(ctx, router.peers)
         client = zmq.Context()
         try:
             outputs = ctx.socket(zmq.PULL)
@@ -215,7 +223,7 @@ def test_an_asyncio_context_is_guarded_too(tmp_path):
             port = outputs.bind_to_random_port("tcp://127.0.0.1")
             good, bad = client.socket(zmq.PUSH), client.socket(zmq.PUSH)
             as_client(good, node)
-            as_client(bad, ClusterKeys(ClusterSide.NODE, *zmq.curve_keypair(), peer=router.public))
+            as_client(bad, KeyFile(ClusterSide.NODE, *zmq.curve_keypair(), peers=(router.public,)))
             for sock in (good, bad):
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IMMEDIATE, 1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from steadfast.control.metrics import Metrics
-from steadfast.protocol import Handoff
+from steadfast.control.http.metrics import Metrics
+from steadfast.wire.worker import Handoff
 
 pytestmark = pytest.mark.unit
 

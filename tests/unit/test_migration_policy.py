@@ -9,10 +9,10 @@ import time
 import pytest
 
 from steadfast.config import MigrationConfig
-from steadfast.control.delivery import Flight, Verdict, Watermark
-from steadfast.control.migration import MigrationOutcome, MigrationReason, Migrations
-from steadfast.control.workers import WorkerRegistry
-from steadfast.protocol import (
+from steadfast.control.fleet.delivery import Flight, Verdict, Watermark
+from steadfast.control.fleet.migration import MigrationOutcome, MigrationReason, Migrations
+from steadfast.control.fleet.workers import WorkerRegistry
+from steadfast.wire.worker import (
     AddRequest,
     Handoff,
     RequestOutput,

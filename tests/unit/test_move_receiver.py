@@ -12,15 +12,15 @@ import pytest
 import xxhash
 import zmq
 
-from steadfast.kv.arena import ArenaSpec, KVArena
-from steadfast.kv.ledger_url import open_ledger
+from steadfast.kv.arena.arena import ArenaSpec, KVArena
+from steadfast.kv.ledger.open import open_ledger
 from steadfast.kv.moves.checks import Drop
-from steadfast.kv.moves.curve import CurveKeys, as_client
 from steadfast.kv.moves.faults import TransportFaults
 from steadfast.kv.moves.messages import Abort, AbortReason, Commit, CommitAck, Copy, MoveOutcome, Prealloc, Reserved
 from steadfast.kv.moves.packing import layer_span, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, decode_to_source, encode
+from steadfast.wire.curve import KeyFile, as_client
 from tests.unit.fake_pool import FakePool
 
 pytestmark = pytest.mark.unit
@@ -31,7 +31,7 @@ SPEC = ArenaSpec(num_blocks=16, num_layers=2, block_size=4, num_kv_heads=2, head
 class Source:
     """A hand-driven source: one DEALER connected to the receiver (with `keys`, as a CURVE client)."""
 
-    def __init__(self, address: str, keys: CurveKeys | None = None, routing_id: bytes = b"") -> None:
+    def __init__(self, address: str, keys: KeyFile | None = None, routing_id: bytes = b"") -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if routing_id:

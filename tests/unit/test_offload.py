@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine
 from tests.conftest import PROMPTS
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadfast.kv.arena import ArenaSpec, KVArena
+from steadfast.kv.arena.arena import ArenaSpec, KVArena
 from steadfast.kv.moves.packing import layer_span, layer_spans, slots_for, write_span
 
 pytestmark = pytest.mark.unit

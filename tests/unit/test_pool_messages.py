@@ -19,15 +19,15 @@ import msgspec
 import pytest
 import zmq
 
-from steadfast import protocol
 from steadfast.config import Config, config_from_dict
-from steadfast.kv.ledger import RequestCheckpoint
-from steadfast.kv.ledger_url import sqlite_url
-from steadfast.kv.pool import KVPool, serve
-from steadfast.kv.pool_client import PoolClient
-from steadfast.kv.spec import ArenaSpec
-from steadfast.ops.children import pool_spec
-from steadfast.protocol import PoolRegister, PoolRelease, PoolReply
+from steadfast.kv.arena.spec import ArenaSpec
+from steadfast.kv.ledger.interface import RequestCheckpoint
+from steadfast.kv.ledger.open import sqlite_url
+from steadfast.kv.pool.client import PoolClient
+from steadfast.kv.pool.daemon import KVPool, serve
+from steadfast.ops.supervisor.children import pool_spec
+from steadfast.wire.codec import encode
+from steadfast.wire.pool import PoolRegister, PoolRelease, PoolReply, decode_pool_reply
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +69,7 @@ def ask(address: str, frames: list[bytes]) -> PoolReply:
     try:
         sock.send_multipart(frames)
         assert sock.poll(5000), "the kvpool did not answer"
-        return protocol.decode_pool_reply(sock.recv())
+        return decode_pool_reply(sock.recv())
     finally:
         sock.close()
 
@@ -77,11 +77,11 @@ def ask(address: str, frames: list[bytes]) -> PoolReply:
 JUNK = {
     "garbage bytes": [b"\xc1\xff\x00 not msgpack"],
     "empty frame": [b""],
-    "wrong message type": [protocol.encode(PoolReply(True, epoch=3))],
+    "wrong message type": [encode(PoolReply(True, epoch=3))],
     "wrong field type": [msgspec.msgpack.encode(["grant", "w0", "one", 2])],
     "unknown tag": [msgspec.msgpack.encode(["steal", "w0"])],
     "multi-frame junk": [b"a", b"\x00\x01", b"c" * 1000],
-    "valid request plus junk frames": [protocol.encode(PoolRegister("w9", 1)), b"junk"],
+    "valid request plus junk frames": [encode(PoolRegister("w9", 1)), b"junk"],
 }
 
 
@@ -98,7 +98,7 @@ def test_a_value_past_sqlite_integers_is_answered_with_an_error(daemon):
     proc, address, _ = daemon
     client = PoolClient(address, f"w-{uuid.uuid4().hex[:6]}", timeout_s=5, attempts=1)
     epoch = client.register(os.getpid()).epoch
-    reply = ask(address, [protocol.encode(PoolRelease(client.worker, epoch, [2**63]))])
+    reply = ask(address, [encode(PoolRelease(client.worker, epoch, [2**63]))])
     assert not reply.ok and "malformed" in reply.error
     assert proc.poll() is None
     assert len(client.grant(1)) <= 1  # still served (an error reply would raise)
@@ -113,9 +113,9 @@ def test_the_client_drops_malformed_replies_and_takes_the_good_one():
 
     def junk_then_answer() -> None:
         ident, _ = router.recv_multipart()
-        for frames in ([b"\xc1junk"], [b"a", b"b"], [protocol.encode(PoolRegister("x", 1))], [b""]):
+        for frames in ([b"\xc1junk"], [b"a", b"b"], [encode(PoolRegister("x", 1))], [b""]):
             router.send_multipart([ident, *frames])
-        router.send_multipart([ident, protocol.encode(PoolReply(True, epoch=7))])
+        router.send_multipart([ident, encode(PoolReply(True, epoch=7))])
 
     fake = threading.Thread(target=junk_then_answer, daemon=True)
     fake.start()

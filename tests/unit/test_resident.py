@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from steadfast.kv import arena_file, resident
+from steadfast.kv.arena import files as arena_file
+from steadfast.kv.arena import resident
 
 pytestmark = pytest.mark.unit
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.control.resume import Resumption, UnknownRequestError
-from steadfast.kv.ledger import RequestCheckpoint
-from steadfast.kv.sqlite_ledger import SqliteLedger
+from steadfast.control.fleet.resume import Resumption, UnknownRequestError
+from steadfast.kv.ledger.interface import RequestCheckpoint
+from steadfast.kv.ledger.sqlite import SqliteLedger
 
 pytestmark = pytest.mark.unit
 

@@ -11,11 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from steadfast.config import TakeoverConfig
-from steadfast.control.delivery import Flight, Verdict, Watermark
-from steadfast.control.placement import Placement
-from steadfast.control.recovery import Recovery
-from steadfast.control.workers import WorkerRegistry
-from steadfast.protocol import (
+from steadfast.control.fleet.delivery import Flight, Verdict, Watermark
+from steadfast.control.fleet.placement import Placement
+from steadfast.control.fleet.recovery import Recovery
+from steadfast.control.fleet.workers import WorkerRegistry
+from steadfast.wire.worker import (
     AddRequest,
     FinishReason,
     RequestOutput,
@@ -152,27 +152,27 @@ def test_a_router_behind_on_its_inbox_does_not_call_its_workers_silent(tmp_path)
 
     import zmq
 
-    from steadfast import protocol
-    from steadfast.control.engine_client import EngineClient
+    from steadfast.control.fleet.client import EngineClient
+    from steadfast.wire.codec import encode
 
     async def run() -> None:
         address = f"ipc://{tmp_path}/outputs"
         client = EngineClient([(0, f"ipc://{tmp_path}/worker0", WorkerRole.MIXED)], address, 0.5)
         w = client.registry.get(0)
         client.registry.observe(WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY), now=time.monotonic() - 60)
-        assert not client._behind()
+        assert not client.hub.behind()
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(address)
-        push.send(protocol.encode(WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY)))
+        push.send(encode(WorkerStatus(0, 1, WorkerRole.MIXED, WorkerState.READY)))
         deadline = time.monotonic() + 5
-        while not client._behind() and time.monotonic() < deadline:
+        while not client.hub.behind() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        assert client._behind()  # an unread report waits: a sweep now would blame the worker for our lag
+        assert client.hub.behind()  # an unread report waits: a sweep now would blame the worker for our lag
         await client.start()  # the receive loop reads it; the watch loop's sweeps may run again
         deadline = time.monotonic() + 5
-        while client._behind() and time.monotonic() < deadline:
+        while client.hub.behind() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        assert not client._behind() and w.ready and time.monotonic() - w.last_seen < 5
+        assert not client.hub.behind() and w.ready and time.monotonic() - w.last_seen < 5
         push.close(linger=0)
         await client.close()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadfast.protocol import SamplingParams
-from steadfast.worker.sampler import sample, step_seed
+from steadfast.wire.worker import SamplingParams
+from steadfast.worker.core.sampler import sample, step_seed
 
 pytestmark = pytest.mark.unit
 

@@ -7,11 +7,11 @@ from dataclasses import astuple
 import pytest
 
 from steadfast.config import SchedulerConfig
-from steadfast.kv.block_manager import BlockManager
-from steadfast.protocol import SamplingParams
-from steadfast.worker.request import Request
-from steadfast.worker.scheduler import Scheduler
-from steadfast.worker.step_cost import StepCost
+from steadfast.wire.worker import SamplingParams
+from steadfast.worker.core.block_manager import BlockManager
+from steadfast.worker.core.request import Request
+from steadfast.worker.core.scheduler import Scheduler
+from steadfast.worker.core.step_cost import StepCost
 
 pytestmark = pytest.mark.unit
 

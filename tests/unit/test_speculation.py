@@ -1,4 +1,4 @@
-"""Speculative decoding's parts (worker/speculation.py) and the engine's rollback of rejected drafts:
+"""Speculative decoding's parts (worker/core/speculation.py) and the engine's rollback of rejected drafts:
 block tables, refcounts, seals and the ledger's rows stay what they would be without speculation."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import os
 import pytest
 
 from steadfast.config import SpeculativeConfig
-from steadfast.kv.arena import map_arena
+from steadfast.kv.arena.arena import map_arena
 from steadfast.kv.integrity import check_node
-from steadfast.kv.ledger import BlockState
-from steadfast.kv.pool_client import PoolClient
-from steadfast.protocol import AddRequest, SamplingParams
+from steadfast.kv.ledger.interface import BlockState
+from steadfast.kv.pool.client import PoolClient
+from steadfast.wire.worker import AddRequest, SamplingParams
+from steadfast.worker.core.request import Request
+from steadfast.worker.core.speculation import PAUSE_TOKENS, NgramIndex, Speculator, accepted_prefix, best_length
 from steadfast.worker.engine import Engine
-from steadfast.worker.ledger_sync import LedgerSync
-from steadfast.worker.request import Request
-from steadfast.worker.speculation import PAUSE_TOKENS, NgramIndex, Speculator, accepted_prefix, best_length
+from steadfast.worker.kv.ledger_sync import LedgerSync
 from tests.chaos.node import Node
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.protocol import AddRequest, FinishReason, SamplingParams
+from steadfast.wire.worker import AddRequest, FinishReason, SamplingParams
 
 pytestmark = pytest.mark.unit
 

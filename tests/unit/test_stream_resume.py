@@ -11,11 +11,10 @@ import time
 import pytest
 import zmq
 
-from steadfast import protocol
-from steadfast.control.delivery import Flight, Watermark
-from steadfast.control.engine_client import RESUMED_ELSEWHERE, EngineClient
-from steadfast.control.resume import Resumption
-from steadfast.protocol import (
+from steadfast.control.fleet.client import RESUMED_ELSEWHERE, EngineClient
+from steadfast.control.fleet.delivery import Flight, Watermark
+from steadfast.control.fleet.resume import Resumption
+from steadfast.wire.worker import (
     AbortRequest,
     AddRequest,
     FinishReason,
@@ -25,6 +24,7 @@ from steadfast.protocol import (
     WorkerRole,
     WorkerState,
     WorkerStatus,
+    decode_to_worker,
 )
 
 pytestmark = pytest.mark.unit
@@ -44,7 +44,7 @@ class Rig:
         """(kind, request id) of each message the worker received, in order."""
         got = []
         while self.inbox.poll(200):  # (sends are done when their await returns: 200 ms is plenty)
-            msg = protocol.decode_to_worker(self.inbox.recv())
+            msg = decode_to_worker(self.inbox.recv())
             if isinstance(msg, AddRequest):
                 got.append(("add", msg.request_id))
             elif isinstance(msg, AbortRequest):
@@ -81,13 +81,13 @@ def test_ten_overlapping_resumes_of_one_request_one_carries_on_the_rest_are_told
         rig = Rig(tmp_path)
         client = rig.client
         if slow_placement:  # the first resume holds the turn across an await: the others arrive meanwhile
-            choose = client._choose_with_room
+            choose = client.roster.choose_with_room
 
             async def slow(request: AddRequest):  # noqa: ANN202
                 await asyncio.sleep(0.2)
                 return await choose(request)
 
-            client._choose_with_room = slow  # type: ignore[method-assign]
+            client.roster.choose_with_room = slow  # type: ignore[method-assign]
         retired(client, "r", [5, 6, 7, 8])
         known = client.known("r")
         add = Resumption.request(known, 3, 3)

@@ -9,9 +9,8 @@ import time
 import pytest
 
 from steadfast.config import TransferConfig
-from steadfast.env import transfer_fault_source
-from steadfast.kv.arena import ArenaSpec, KVArena
-from steadfast.kv.moves.faults import TransportFaults, fault_switch
+from steadfast.kv.arena.arena import ArenaSpec, KVArena
+from steadfast.kv.moves.faults import TransportFaults, fault_switch, transfer_fault_source
 from steadfast.kv.moves.packing import layer_span, layer_spans, slots_for
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.retry import RetryPolicy

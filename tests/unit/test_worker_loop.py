@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.protocol import AddRequest, SamplingParams, StepOutputs, WorkerRole
-from steadfast.worker import main as worker_main
+from steadfast.wire.worker import AddRequest, SamplingParams, StepOutputs, WorkerRole
+from steadfast.worker import loop as worker_loop
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +42,7 @@ def add(i: int) -> AddRequest:
 def run_loop(small_config, small_model, make_engine, batches: list[list]) -> list[int]:
     """Run the loop until its requests are done; returns how many requests each step held."""
     engine = make_engine(small_config, small_model)
-    loop = worker_main.WorkerLoop(small_config, 0, ScriptedInbox(batches), Outbox(), WorkerRole.MIXED)
+    loop = worker_loop.WorkerLoop(small_config, 0, ScriptedInbox(batches), Outbox(), WorkerRole.MIXED)
     held: list[int] = []
     step = engine.step
 
@@ -65,6 +65,6 @@ def test_messages_arriving_while_a_batch_is_handled_join_its_step(small_config, 
 
 
 def test_a_flood_of_messages_cannot_keep_the_loop_from_stepping(small_config, small_model, make_engine):
-    batches = [[add(i)] for i in range(worker_main.DRAIN_ROUNDS + 3)]
+    batches = [[add(i)] for i in range(worker_loop.DRAIN_ROUNDS + 3)]
     held = run_loop(small_config, small_model, make_engine, batches)
-    assert held[0] == worker_main.DRAIN_ROUNDS  # it stepped after a bounded number of reads
+    assert held[0] == worker_loop.DRAIN_ROUNDS  # it stepped after a bounded number of reads

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from steadfast.ops.zygote_client import ForkedWorker
+from steadfast.ops.supervisor.zygote_client import ForkedWorker
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ def test_a_subreaper_reaps_adopted_orphans_and_leaves_its_known_children():
     script = textwrap.dedent(
         """
         import os, time
-        from steadfast.ops.zygote_client import ForkedWorker, become_subreaper, reap_orphans
+        from steadfast.ops.supervisor.zygote_client import ForkedWorker, become_subreaper, reap_orphans
 
         assert become_subreaper()
         known = os.fork()

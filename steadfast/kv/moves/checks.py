@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from steadfast.config import TransferConfig
+from steadfast.kv.arena.spec import ArenaSpec
 from steadfast.kv.moves.messages import Commit, Copy, Prealloc
 from steadfast.kv.moves.seal import KEY_BYTES
 from steadfast.kv.moves.wire import MAX_MESSAGE_BYTES, KVFrame, Probe, ToDestination
-from steadfast.kv.spec import ArenaSpec
 
 MAX_STAGES = 64  # copy stages a session may have: far more than any move makes
 MAX_PARTS = 1 << 16  # frames a stage may have: layers x chunks of the longest prompt, with room

@@ -4,12 +4,13 @@ sending side, behind the same interface, so the real path never knows about dril
 destination can make: a lost COMMIT ack and a stage the destination sits on; the receiver reads them from the
 same spec (`drop_acks`, `hold_s`) and applies them to the sessions it opens while they are armed.
 
-Where the fault spec comes from (config, or the variables `steadfast.env` reads) is `steadfast.env`'s
-business: this module must never read the environment or a file, and must never retry or resend.
+The spec comes from config, else from two environment variables (`transfer_fault_source`, read at the
+start of every transfer); nothing here ever retries or resends.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,11 +18,32 @@ from dataclasses import dataclass
 import msgspec
 
 from steadfast.config import TransferConfig
-from steadfast.env import transfer_fault_source
 from steadfast.kv.moves.transport import Transport
 from steadfast.kv.moves.wire import KVFrame, ToDestination, ToSource
 
 FaultSwitch = Callable[[], "TransportFaults | None"]
+
+
+def transfer_fault_source(cfg: TransferConfig) -> Callable[[], str] | None:
+    """The KV transfer fault drill's spec text, asked for at the start of every transfer: the faults
+    file's content (missing file: no faults) when one is named, else the `faults` spec; the environment
+    variables stand in for unset keys. None when no drill is configured at all.
+
+    Test and chaos hooks only: nothing sets these outside fault-injection runs.
+    """
+    where = cfg.faults_file or os.environ.get("STEADFAST_TRANSFER_FAULTS_FILE", "")
+    if where:
+
+        def read() -> str:
+            try:
+                with open(where) as f:
+                    return f.read().strip()
+            except FileNotFoundError:
+                return ""
+
+        return read
+    spec = cfg.faults or os.environ.get("STEADFAST_TRANSFER_FAULTS", "")
+    return (lambda: spec) if spec else None
 
 
 @dataclass(frozen=True)
@@ -55,7 +77,7 @@ class TransportFaults:
     @classmethod
     def from_env(cls) -> TransportFaults | None:
         """The faults the default config's sources hold now (`STEADFAST_TRANSFER_FAULTS`, or the file
-        named by `STEADFAST_TRANSFER_FAULTS_FILE`, read by `steadfast.env`); None when neither is set."""
+        named by `STEADFAST_TRANSFER_FAULTS_FILE`, read by `steadfast.config.env`); None when neither is set."""
         source = transfer_fault_source(TransferConfig())
         return cls.parse(source()) if source is not None else None
 
@@ -64,7 +86,7 @@ class TransportFaults:
 
 
 def fault_switch(spec_source: Callable[[], str] | None) -> FaultSwitch | None:
-    """A fault switch over a spec source (`steadfast.env.transfer_fault_source`): asked again for
+    """A fault switch over a spec source (`transfer_fault_source`): asked again for
     every transfer, so a drill can change the spec while the server runs. None when there is no source."""
     if spec_source is None:
         return None

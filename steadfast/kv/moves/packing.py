@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from steadfast.kv.arena import KVArena
+from steadfast.kv.arena.arena import KVArena
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ It must never keep a block nobody will claim (stalled, aborted, superseded or un
 back), write a byte without the lease check, record COMMITTED for blocks it does not hold verified (every
 layer of every token, each frame checksummed), take a session's messages from another connection than the
 one that opened it, reserve beyond its limits (`kv/moves/checks.py`), or let one bad message stop the
-receiver. With keys, only the deployment's senders get through at all (`kv/moves/curve.py`).
+receiver. With keys, only the deployment's senders get through at all (`wire/curve.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import xxhash
 import zmq
 
 from steadfast.config import TransferConfig
-from steadfast.kv.arena import KVArena
-from steadfast.kv.moves import curve
+from steadfast.kv.arena.arena import KVArena
 from steadfast.kv.moves.checks import (
     Drop,
     IncomingLimits,
@@ -37,7 +36,6 @@ from steadfast.kv.moves.checks import (
     max_message_bytes,
     message_problem,
 )
-from steadfast.kv.moves.curve import CurveKeys
 from steadfast.kv.moves.faults import FaultSwitch, TransportFaults
 from steadfast.kv.moves.messages import (
     Abort,
@@ -71,6 +69,8 @@ from steadfast.kv.moves.wire import (
     decode_to_destination,
     encode,
 )
+from steadfast.wire import curve
+from steadfast.wire.curve import KeyFile, TransferSide
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class KVReceiver:
         timeout_s: float,
         lease_check: Callable[[], None] = lambda: None,
         decide: Decider | None = None,
-        keys: CurveKeys | None = None,
+        keys: KeyFile | None = None,
         limits: IncomingLimits | None = None,
         faults: FaultSwitch | None = None,
     ) -> None:
@@ -149,7 +149,7 @@ class KVReceiver:
         # A context of its own: the ZAP handler that checks CURVE clients serves one context, and a
         # receiver's must answer for its sockets only. It runs before any socket binds (none unchecked).
         self.ctx = zmq.Context()
-        self.auth = curve.serve(self.ctx, keys) if keys is not None else None
+        self.auth = curve.guard(self.ctx, keys.expect(TransferSide.RECEIVE).peers) if keys is not None else None
         self.socks: list[zmq.Socket] = []
         self.addresses: list[str] = []
         for address in addresses:

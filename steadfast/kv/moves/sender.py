@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import xxhash
 import zmq
 
-from steadfast.kv.moves.curve import CurveKeys
 from steadfast.kv.moves.faults import FaultSwitch, FaultyPath, TransportFaults
 from steadfast.kv.moves.messages import (
     Abort,
@@ -63,6 +62,7 @@ from steadfast.kv.moves.sender_jobs import (
 from steadfast.kv.moves.session import SourceSession
 from steadfast.kv.moves.transport import PathDownError, Transport, ZmqPath
 from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, Probe, Progress, ToSource
+from steadfast.wire.curve import KeyFile
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class KVSender:
         backoff_s: float,
         faults: FaultSwitch | None = None,
         block_size: int = 16,
-        keys: CurveKeys | None = None,
+        keys: KeyFile | None = None,
     ) -> None:
         """`timeout_s`: the first wait for an answer (doubling per retry); `backoff_s`: the first pause
         before resending what an answer said is missing. `block_size`: the destination arena's (the same

@@ -16,11 +16,11 @@ from typing import Protocol
 import msgspec
 import zmq
 
-from steadfast.kv.moves import curve
-from steadfast.kv.moves.curve import CurveKeys
 from steadfast.kv.moves.messages import Prealloc, Reserved
 from steadfast.kv.moves.seal import Sealer, new_key
 from steadfast.kv.moves.wire import KVFrame, ToDestination, ToSource, decode_to_source, encode
+from steadfast.wire import curve
+from steadfast.wire.curve import KeyFile, TransferSide
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class ZmqPath:
     there sealed (`kv/moves/seal.py`) on one PUSH socket per port, in the order they are sent."""
 
     def __init__(
-        self, ctx: zmq.Context, name: str, address: str, send_timeout_s: float, keys: CurveKeys | None = None
+        self, ctx: zmq.Context, name: str, address: str, send_timeout_s: float, keys: KeyFile | None = None
     ) -> None:
         self.name, self.address = name, address
         self.sock = ctx.socket(zmq.DEALER)
@@ -66,7 +66,7 @@ class ZmqPath:
         # (random: nobody else can claim it) keeps the sessions ours across a reconnect.
         self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
         if keys is not None:
-            curve.as_client(self.sock, keys)
+            curve.as_client(self.sock, keys.expect(TransferSide.SEND))
         # Nothing queued for a peer that is not connected, and no send waits long: a dead receiver
         # must fail the attempt (PathDownError), never hang the sender.
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
