@@ -32,8 +32,9 @@ from steadfast.kv.ledger.open import sqlite_url  # noqa: E402
 from steadfast.kv.pool.daemon import KVPool  # noqa: E402
 from steadfast.wire.pool import PoolGrant, PoolRegister, PoolRelease  # noqa: E402
 from steadfast.wire.worker import AddRequest, SamplingParams  # noqa: E402
-from steadfast.worker.engine import Engine, load_model  # noqa: E402
+from steadfast.worker.engine import Engine  # noqa: E402
 from steadfast.worker.kv.ledger_sync import LedgerSync  # noqa: E402
+from steadfast.worker.loaded import load_model  # noqa: E402
 from tests.etcd_cluster import EtcdCluster  # noqa: E402
 
 OFF = "no ledger"

@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import run_info  # noqa: E402
 from steadfast.config import Config  # noqa: E402
 from steadfast.wire.worker import AddRequest, SamplingParams  # noqa: E402
-from steadfast.worker.engine import Engine, load_model, private_arena  # noqa: E402
+from steadfast.worker.engine import Engine  # noqa: E402
+from steadfast.worker.loaded import load_model, private_arena  # noqa: E402
 
 
 def first_token(engine: Engine, rid: str, seed: int, tokens: int) -> float:

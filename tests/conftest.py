@@ -17,7 +17,8 @@ from steadfast.kv.arena.arena import KVArena
 from steadfast.kv.arena.files import make_tier, remove_tier, tier_spec
 from steadfast.kv.arena.spec import arena_spec
 from steadfast.kv.arena.tier import TierFile
-from steadfast.worker.engine import Engine, LoadedModel, load_model
+from steadfast.worker.engine import Engine
+from steadfast.worker.loaded import LoadedModel, load_model
 from tests.small_gguf import truncate
 
 SMALL_LAYERS = 4  # enough for every code path (layer-wise transfer, prefix blocks), a seventh of the compute

@@ -16,7 +16,8 @@ from steadfast.kv.arena.files import ArenaSpaceError
 from steadfast.model import decode_layers, paged_attention, quant_matmul, rms_norm, rope_kv, rowwise_matmul
 from steadfast.model.gguf_loader import load_weights
 from steadfast.model.gguf_meta import LlamaConfig, max_model_len, open_gguf, read_config
-from steadfast.model.llama import LlamaModel, NativeWeights, compute_layout, native_layout
+from steadfast.model.layers import NativeWeights, compute_layout, native_layout
+from steadfast.model.llama import LlamaModel
 from steadfast.model.store import open_layout
 from steadfast.model.tokenizer import GGUFTokenizer
 

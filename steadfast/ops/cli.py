@@ -98,7 +98,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import random
 
     from steadfast.wire.worker import AddRequest, SamplingParams
-    from steadfast.worker.engine import Engine, load_model, private_arena
+    from steadfast.worker.engine import Engine
+    from steadfast.worker.loaded import load_model, private_arena
 
     cfg = _config(args).replace(cache={"kv_memory_mb": 256})
     loaded = load_model(cfg)

@@ -76,7 +76,7 @@ class KeyFile:
         except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path}: not a key file ({exc})") from None
         if side is not None and keys.side != side:
-            raise ValueError(f"{path} holds the {keys.side}'s keys; the {side} needs its own")
+            raise ValueError(f"{path} holds the {keys.side}'s keys; the {side} needs {side}.keys")
         if not keys.peers or not all(len(k) == 40 for k in (keys.public, keys.secret, *keys.peers)):
             raise ValueError(f"{path}: a key is missing or not 40 Z85 characters")
         return keys

@@ -1,6 +1,6 @@
 """The engine: `step()` is schedule → execute → update. No sockets, no threads: the process loop
 (worker/main.py) or a test drives it directly. KV that moves to or from another worker goes through
-the KV connector (kv_connector.py), called at fixed points of the step; a takeover's route is
+the KV connector (kv/connector.py), called at fixed points of the step; a takeover's route is
 takeover.py's.
 """
 
@@ -10,26 +10,21 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from steadfast.config import Config
 from steadfast.kv.arena.arena import KVArena
-from steadfast.kv.arena.spec import arena_spec
 from steadfast.kv.arena.tier import TierFile
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
-from steadfast.model.gguf_meta import LlamaConfig
-from steadfast.model.llama import LlamaModel
-from steadfast.model.loader import build_model
-from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.util.failpoints import broken
 from steadfast.util.log import about
 from steadfast.wire.worker import AddRequest, Degrade, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
 from steadfast.worker.core.block_cache import BlockSource
 from steadfast.worker.core.block_manager import BlockManager
 from steadfast.worker.core.detokenizer import Detokenizer
+from steadfast.worker.core.isolation import NonFiniteLogitsError, find_culprits, without
 from steadfast.worker.core.request import Request, Status
 from steadfast.worker.core.runner import ModelRunner
 from steadfast.worker.core.sampler import sample
@@ -40,39 +35,9 @@ from steadfast.worker.kv.connector import KVConnector
 from steadfast.worker.kv.ledger_sync import LedgerSlots, LedgerSync
 from steadfast.worker.kv.offload import LocalSlots, Offloader
 from steadfast.worker.kv.takeover import recover
+from steadfast.worker.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """Rows of a step's logits were NaN or infinite: whose requests."""
-
-    def __init__(self, request_ids: set[str]) -> None:
-        super().__init__(f"non-finite logits for {len(request_ids)} request(s)")
-        self.request_ids = request_ids
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model_cfg: LlamaConfig
-    model: LlamaModel
-    tokenizer: GGUFTokenizer
-    max_model_len: int
-    # What a step of it cost in a warm-up on this machine (the zygote's, for the workers it forks):
-    # the scheduler's first estimate, until the worker's own steps take over.
-    step_cost: StepCost | None = None
-
-
-def load_model(cfg: Config, weights_dir: str = "") -> LoadedModel:
-    """The model this worker computes with (model/loader.py builds it; `weights_dir`: see there)."""
-    return LoadedModel(*build_model(cfg, weights_dir))
-
-
-def private_arena(cfg: Config, model_cfg: LlamaConfig, path: str) -> KVArena:
-    """An arena for one engine alone: a /dev/shm file at `path` on the CPU, device memory on a GPU."""
-    spec = arena_spec(cfg, model_cfg)
-    device = cfg.model.resolved_device
-    return KVArena.create(path, spec) if device == "cpu" else KVArena.create_device(spec, device)
 
 
 class Engine:
@@ -367,28 +332,11 @@ class Engine:
         the step again without them, so one request's bad input never costs the others a token. A
         failure no single request reproduces, or that every one of several does, is the engine's own: it is
         raised."""
-        culprits: dict[str, str] = {}
-        if isinstance(failure, NonFiniteLogitsError):  # the rows say whose: no probing
-            culprits = dict.fromkeys(failure.request_ids, str(failure))
-        else:
-            for r in scheduled.decodes:
-                culprits.update(self._probe(ScheduledStep(decodes=[r]), r))
-            for r, n in scheduled.prefills:
-                culprits.update(self._probe(ScheduledStep(prefills=[(r, n)]), r))
-            for r, d in scheduled.verifies:
-                culprits.update(self._probe(ScheduledStep(verifies=[(r, d)]), r))
-        every = len(scheduled.decodes) + len(scheduled.prefills) + len(scheduled.verifies)
-        if not culprits or (len(culprits) > 1 and len(culprits) == every):
-            raise failure  # none fails alone, or every one does: the engine is broken, not a request
+        culprits = find_culprits(scheduled, failure, lambda alone: self._compute(alone, None))
         for rid, why in culprits.items():
             log.error("request %s failed in a step and was removed from it: %s", rid, why, extra=about(rid))
             self._fail(rid, f"engine error: {why}", outputs, retryable=True)
-        rest = ScheduledStep(
-            [r for r in scheduled.decodes if r.request_id not in culprits],
-            [(r, n) for r, n in scheduled.prefills if r.request_id not in culprits],
-            scheduled.preempted,
-            [(r, d) for r, d in scheduled.verifies if r.request_id not in culprits],
-        )
+        rest = without(scheduled, culprits)
         if rest.empty:
             return None
         return rest, self._compute(rest, hook)
@@ -402,13 +350,6 @@ class Engine:
             return
         outputs.append(RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=why, retryable=retryable))
         self._finish(request, FinishReason.ERROR)
-
-    def _probe(self, alone: ScheduledStep, request: Request) -> dict[str, str]:
-        try:
-            self._compute(alone, None)
-        except Exception as exc:
-            return {request.request_id: f"{type(exc).__name__}: {exc}"}
-        return {}
 
     def _advance(self, scheduled: ScheduledStep, new: list[tuple[Request, list[int]]]) -> bool:
         """Count the computed KV; True if some request's prefill is now complete. A verifying request's

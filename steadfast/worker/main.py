@@ -36,9 +36,10 @@ from steadfast.wire.worker import (
     WorkerState,
 )
 from steadfast.worker.core.step_cost import StepCost
-from steadfast.worker.engine import Engine, LoadedModel, load_model
+from steadfast.worker.engine import Engine
 from steadfast.worker.kv.ledger_sync import LedgerSync
 from steadfast.worker.kv.wiring import _other_nodes, transfer_keys, transfer_side
+from steadfast.worker.loaded import LoadedModel, load_model
 from steadfast.worker.loop import WorkerLoop
 from steadfast.worker.startup import StartupPhases, trim_heap
 from steadfast.worker.threads import ThreadGovernor

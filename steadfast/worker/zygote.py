@@ -37,7 +37,8 @@ from steadfast.wire.codec import encode
 from steadfast.wire.zygote import WorkerForked, ZygoteReady, decode_to_zygote
 from steadfast.worker import main as worker_main
 from steadfast.worker.core.step_cost import StepCost
-from steadfast.worker.engine import Engine, LoadedModel, load_model, private_arena
+from steadfast.worker.engine import Engine
+from steadfast.worker.loaded import LoadedModel, load_model, private_arena
 from steadfast.worker.startup import since_process_start, trim_heap
 
 log = logging.getLogger("steadfast.zygote")

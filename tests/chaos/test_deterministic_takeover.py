@@ -17,7 +17,7 @@ from steadfast.kv.integrity import check_node
 from steadfast.kv.pool.client import PoolClient
 from steadfast.kv.pool.daemon import process_gone
 from steadfast.wire.worker import AddRequest, RequestOutput, Resume, SamplingParams
-from steadfast.worker.engine import load_model
+from steadfast.worker.loaded import load_model
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS
 

@@ -19,8 +19,9 @@ from steadfast.kv.arena.spec import arena_spec
 from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger.open import open_ledger
 from steadfast.kv.pool.client import PoolClient
-from steadfast.worker.engine import Engine, load_model
+from steadfast.worker.engine import Engine
 from steadfast.worker.kv.ledger_sync import LedgerSync
+from steadfast.worker.loaded import load_model
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS
 from tests.engine_logits import chat_requests, first_divergence, run

@@ -15,7 +15,8 @@ import torch
 
 from steadfast.config import Config
 from steadfast.wire.worker import AddRequest, SamplingParams
-from steadfast.worker.engine import Engine, load_model, private_arena
+from steadfast.worker.engine import Engine
+from steadfast.worker.loaded import load_model, private_arena
 from tests.integration.server import ServerProcess
 
 pytestmark = [

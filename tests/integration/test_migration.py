@@ -54,7 +54,8 @@ def reference(small_config, small_model) -> dict[int, list[int]]:
     """What an unmigrated run of `body(i)` gives, from the in-process engine, computed once per session
     (the first two LONG tokens long: a shorter run's are their first ones). The migration modules share it."""
     if not _REFERENCE:
-        from steadfast.worker.engine import Engine, private_arena
+        from steadfast.worker.engine import Engine
+        from steadfast.worker.loaded import private_arena
 
         path = f"/dev/shm/steadfast-test-migration-{os.getpid()}.kv"
         engine = Engine(small_config, small_model, private_arena(small_config, small_model.model_cfg, path))

@@ -19,7 +19,7 @@ import torch
 
 from steadfast.config import Config
 from steadfast.model import quant_matmul
-from steadfast.worker.engine import load_model
+from steadfast.worker.loaded import load_model
 from tests.conftest import PROMPTS
 from tests.engine_logits import chat_requests, first_divergence, run
 

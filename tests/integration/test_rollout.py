@@ -38,7 +38,8 @@ def server(tmp_path_factory, small_model_path):
 
 @pytest.fixture(scope="module")
 def want(small_config, small_model) -> dict[int, list[int]]:
-    from steadfast.worker.engine import Engine, private_arena
+    from steadfast.worker.engine import Engine
+    from steadfast.worker.loaded import private_arena
 
     path = f"/dev/shm/steadfast-test-rollout-{os.getpid()}.kv"
     engine = Engine(small_config, small_model, private_arena(small_config, small_model.model_cfg, path))

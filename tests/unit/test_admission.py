@@ -24,8 +24,9 @@ from steadfast.control.fleet.signals import (
 from steadfast.control.fleet.workers import WorkerRegistry
 from steadfast.control.http.errors import APIError, refusal_error
 from steadfast.control.http.truncate import cut_chat, cut_prompt
-from steadfast.control.ladder.degrade import Degradation, Plan, Refusal, Sources
+from steadfast.control.ladder.degrade import Degradation, Sources
 from steadfast.control.ladder.ladder import Level
+from steadfast.control.ladder.plan import Plan, Refusal
 from steadfast.control.ladder.view import ladder_view
 from steadfast.wire.worker import AddRequest, Degrade, Priority, SamplingParams, WorkerRole, WorkerState, WorkerStatus
 

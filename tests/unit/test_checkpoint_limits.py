@@ -22,7 +22,8 @@ from steadfast.control.fleet.delivery import Flight, Watermark
 from steadfast.control.fleet.resume import Resumption, UnknownRequestError
 from steadfast.control.http.api import create_app
 from steadfast.control.http.serving import ServingContext
-from steadfast.kv.ledger.etcd import TXN_BYTES, EtcdLedger
+from steadfast.kv.ledger.etcd import EtcdLedger
+from steadfast.kv.ledger.etcd_requests import TXN_BYTES
 from steadfast.kv.ledger.interface import LedgerError, RequestCheckpoint
 from steadfast.kv.ledger.open import open_ledger, sqlite_url
 from steadfast.kv.ledger.sqlite import SqliteLedger

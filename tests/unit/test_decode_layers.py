@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from steadfast.model import decode_layers
 from steadfast.wire.worker import AddRequest, SamplingParams
-from steadfast.worker.engine import load_model
+from steadfast.worker.loaded import load_model
 from tests.conftest import kernel_or_skip
 from tests.engine_logits import run
 

@@ -10,7 +10,7 @@ import torch
 
 from steadfast.config import Config, ConfigError
 from steadfast.wire.worker import AddRequest, SamplingParams
-from steadfast.worker.engine import load_model
+from steadfast.worker.loaded import load_model
 from tests.engine_logits import run
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from steadfast.config import Config
-from steadfast.kv.ledger import sqlite as sqlite_ledger
+from steadfast.kv.ledger import sqlite_requests as sqlite_ledger  # (where a checkpoint calls `stall`)
 from steadfast.kv.ledger.interface import LedgerUnavailableError
 from steadfast.kv.ledger.open import open_ledger, sqlite_url
 from steadfast.kv.pool.client import LeaseLostError

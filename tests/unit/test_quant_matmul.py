@@ -15,7 +15,7 @@ from steadfast.model import quant_matmul
 from steadfast.model.gguf_file import GGUFFile
 from steadfast.model.gguf_loader import _dequantize, unpermute_qk
 from steadfast.model.gguf_meta import read_config
-from steadfast.model.llama import native_layout
+from steadfast.model.layers import native_layout
 from steadfast.model.quant_matmul import QuantWeight
 from tests.conftest import kernel_or_skip
 

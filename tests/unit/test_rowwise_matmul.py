@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from steadfast.model import rowwise_matmul
-from steadfast.model.llama import Linear
+from steadfast.model.layers import Linear
 
 pytestmark = pytest.mark.unit
 

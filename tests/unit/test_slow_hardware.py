@@ -13,8 +13,9 @@ from steadfast.config import DegradationConfig, SloConfig
 from steadfast.control.fleet.signals import Calibration
 from steadfast.control.fleet.workers import WorkerRegistry
 from steadfast.control.ladder.attainable import Attainability, Latency
-from steadfast.control.ladder.degrade import Degradation, Plan, Refusal, Sources
+from steadfast.control.ladder.degrade import Degradation, Sources
 from steadfast.control.ladder.ladder import Level
+from steadfast.control.ladder.plan import Plan, Refusal
 from steadfast.control.ladder.view import ladder_view
 from steadfast.wire.worker import Degrade, Priority, WorkerRole, WorkerState, WorkerStatus
 from tests.unit.test_admission import SCHED, flight

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from steadfast.config import Config
-from steadfast.worker.engine import load_model
+from steadfast.worker.loaded import load_model
 from steadfast.worker.threads import GROW_AFTER, WINDOW_S, ThreadGovernor, ThreadPolicy, others_cpu_seconds, threads_for
 from tests.unit.test_deterministic import logits, same_bits
 

@@ -90,7 +90,7 @@ def test_another_dtype_or_a_changed_file_is_another_store(tmp_path, gguf):
 def test_a_folder_without_room_for_the_store_leaves_the_worker_its_own_copy(tmp_path, monkeypatch, caplog):
     from steadfast.config import Config
     from steadfast.kv.arena.files import ArenaSpaceError
-    from steadfast.worker import engine
+    from steadfast.worker import loaded as engine
 
     def no_room(folder, nbytes, what="the KV arena"):
         raise ArenaSpaceError(f"{what} needs {nbytes} bytes; {folder} has 0 free")

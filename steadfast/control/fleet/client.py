@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import zmq
@@ -23,7 +23,6 @@ from steadfast.control.fleet.health import HealthMonitor
 from steadfast.control.fleet.hub import Hub
 from steadfast.control.fleet.maintenance import Maintenance
 from steadfast.control.fleet.migration import (
-    MigrationMode,
     MigrationReason,
     MigrationRecord,
     Migrations,
@@ -118,7 +117,7 @@ class EngineClient:
             self.registry,
             self.migrations,
             self._owned,
-            self.migrate,
+            self._migrate,
             self.hub.send,
             self._spawn,
             to_supervisor,
@@ -156,7 +155,7 @@ class EngineClient:
             self.migrations,
             self.recovery,
             self.resumption_records,
-            self.migrate,
+            self._migrate,
             self._spawn,
             status_interval_s,
             request_timeout_s,
@@ -424,15 +423,8 @@ class EngineClient:
         """A request in flight by its id."""
         return self._flights.get(key)
 
-    async def migrate(
-        self,
-        request_id: str,
-        to: int | None = None,
-        reason: MigrationReason = MigrationReason.OPERATOR,
-        mode: MigrationMode = MigrationMode.KV,
-    ) -> MigrationRecord:
-        """Start moving a running request to worker `to` (None: the policy's target): `MigrationStart`."""
-        return await self.starts.migrate(request_id, to, reason, mode)
+    def _migrate(self, request_id: str, to: int | None, reason: MigrationReason) -> Awaitable[MigrationRecord]:
+        return self.starts.migrate(request_id, to, reason)  # (built after the parts that are given this)
 
     def _owned(self, worker_id: int) -> list[Flight]:
         return [f for f in self._flights.values() if f.mark.owner == worker_id and not f.mark.moving]

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from steadfast.control.ladder.degrade import Refusal
+from steadfast.control.ladder.plan import Refusal
 
 
 class ErrorDetail(BaseModel):

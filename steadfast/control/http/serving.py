@@ -19,7 +19,8 @@ from steadfast.control.http.errors import APIError, refusal_error
 from steadfast.control.http.metrics import Metrics
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.resume_token import ResumeSigner, body_digest
-from steadfast.control.ladder.degrade import Degradation, Notice, Refusal
+from steadfast.control.ladder.degrade import Degradation
+from steadfast.control.ladder.plan import Notice, Refusal
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.wire.worker import PRIORITIES, AddRequest, Priority, RequestOutput, SamplingParams
 

@@ -2,9 +2,9 @@
 
 The arena is a file (in /dev/shm by default) mapped MAP_SHARED, so any process of ours on the node that
 knows its path can map the same bytes: the engine that fills blocks is not the owner of the memory. Its
-files are private to our user and fully reserved when made (`arena_file.py`), and each process's mapping
+files are private to our user and fully reserved when made (`files.py`), and each process's mapping
 of them is populated on a background thread (`resident.py`), so no step pays for a page's first touch.
-A kvpool's arena is made as it is used (`arena_prefix.py`): a worker populates what it is granted.
+A kvpool's arena is made as it is used (`grants.py`): a worker populates what it is granted.
 
 Physical layout: `[num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]`.
 A block id names the same slot in every (layer, K/V, head) plane, so a block holds K and V of every
@@ -140,7 +140,7 @@ class KVArena:
         if os.fstat(fd).st_blocks * 512 >= spec.nbytes:
             make_resident(flat, fd, path)  # in the background: no later step pays for a first touch
         else:
-            # Made as the pool grants its blocks (`arena_prefix.py`): populated only as far as the pool has
+            # Made as the pool grants its blocks (`grants.py`): populated only as far as the pool has
             # made it, since populating a page the pool has not reserved would take memory it may not have.
             arena.prefix = Populated(flat.data_ptr(), spec, Path(path).name)
         return arena

@@ -4,7 +4,7 @@ with their space reserved, and opened only while they are still private.
 Reserving matters because the arena lives in a tmpfs: a sparse file larger than the free space maps
 fine and then kills its process with SIGBUS on the first page that cannot be backed, long after start-up.
 So a file is reserved whole when made, or, the kvpool's node arena, made a hole whose pages the pool
-reserves before it grants the blocks on them (`arena_prefix.py`): no process touches an unreserved page.
+reserves before it grants the blocks on them (`grants.py`): no process touches an unreserved page.
 This module never maps anything (that is `arena.py`) and never chooses the folder (the launcher's).
 """
 

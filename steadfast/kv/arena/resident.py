@@ -15,7 +15,7 @@ the page tables filled as a write would fill them, no byte read or written), whi
 on the way. The calls go through ctypes, which lets go of the GIL, in small chunks (`pages.py`), from a
 thread of its own at normal priority: each call holds the process's mmap_lock, and a thread starved at
 idle priority inside one stalled the engine thread's allocations for seconds. A kvpool's arena made as
-it is used is populated as far as it is made instead (`arena_prefix.py`).
+it is used is populated as far as it is made instead (`grants.py`).
 """
 
 from __future__ import annotations
