@@ -246,6 +246,8 @@ class Engine:
         if scheduled.empty:
             if self.offload is not None:
                 self.offload.plan()
+            for request in self.kv.after_step():  # a migration holding its only request goes on without steps
+                self._let_go(request)
             return outputs
         t0 = time.perf_counter()
         self._step_start = time.monotonic()

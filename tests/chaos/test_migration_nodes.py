@@ -169,6 +169,21 @@ def test_every_frame_lost_on_every_path_leaves_the_request_running_where_it_was(
     check_pools(server)
 
 
+def test_a_copy_slower_than_the_decode_holds_the_request_and_commits(server, want):
+    """Every frame 60 ms late (a slow link, a busy machine): the request decodes faster than its KV is
+    copied and would outgrow the blocks reserved at the destination; it is held at the reservation until
+    the rounds land, then committed — a longer pause, not a failed move."""
+    held = ": held at the blocks reserved"
+    before = server.output().count(held)
+    got, answer = run_with_migration(server, 0, "delay_s=0.06,path=*", "mixed")
+    assert got == want[0]
+    assert answer["status"] == 200, answer
+    record = answer["body"]
+    assert record["outcome"] == "committed" and record["bytes"] > 0, record
+    assert server.output().count(held) > before  # the hold really happened
+    check_pools(server)
+
+
 def test_the_commit_ack_lost_is_asked_again_and_the_migration_commits(server, want):
     got, answer = run_with_migration(server, 1, "drop_acks=1,path=*", "mixed")
     assert got == want[1]

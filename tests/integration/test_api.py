@@ -351,7 +351,10 @@ def test_status_watch_redraws_until_ctrl_c(server):
     import sys
 
     cmd = [sys.executable, "-m", "steadfast.ops.cli", "status", "--url", server.url, "--watch", "0.2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's Ctrl-C delivers it: a suite started in the background of a shell without job
+    # control inherits it ignored, and the watch would never see it.
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         time.sleep(3)  # the interpreter's start, then a few redraws
     finally:

@@ -73,7 +73,11 @@ class KVConnector:
         self.layerwise = cfg.transfer.layerwise  # stream each layer as it is computed, not all at the end
         self._out: dict[str, Outgoing] = {}
         # Live migrations to another node (a sender is the wire out); on this node they are `_give`.
-        self.migrations = OutgoingMigrations(arena, blocks, scheduler, sender) if sender is not None else None
+        spec = cfg.speculative
+        step_tokens = 1 + (spec.num_draft_tokens if spec.method != "off" else 0)
+        self.migrations = (
+            OutgoingMigrations(arena, blocks, scheduler, sender, step_tokens) if sender is not None else None
+        )
         self._prompts_done: list[tuple[Request, RequestOutput]] = []  # KV to hand over after this step
 
     @property

@@ -9,9 +9,11 @@ out `CHUNK_BLOCKS` at a time, one chunk after each step. Once the rounds have la
 `final_stage_blocks` full blocks are left unsent, or after `max_stages` rounds, the request is paused
 (not scheduled; blocks and ownership kept) and the rest goes out with the partial block — padded
 with zeros into the last reserved block, so every reserved slot holds this move's bytes — and the COMMIT.
-Until the COMMIT is acknowledged and decided the request is ours; any failure resumes it here, and so does
-`timeout_s` passing first (the move is aborted): the router hears why, at once, in every case but one — the
-request ended here, which its own last output says.
+A request about to outgrow its reservation before the rounds converge (its copy slower than its decode:
+a busy machine, a slow link) is paused there instead, and its stop-and-copy waits for the rounds to land:
+a longer pause, not a failed move. Until the COMMIT is acknowledged and decided the request is ours; any
+failure resumes it here, and so does `timeout_s` passing first (the move is aborted): the router hears why,
+at once, in every case but one — the request ended here, which its own last output says.
 
 In protocol terms the rounds are the parts of the session's one copy stage, streamed before its manifest
 (as a prefill's layers are): the destination verifies them all at the COMMIT.
@@ -19,6 +21,7 @@ In protocol terms the rounds are the parts of the session's one copy stage, stre
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +34,8 @@ from steadfast.wire.worker import Handoff, Migrate, RequestOutput
 from steadfast.worker.core.block_manager import BlockManager
 from steadfast.worker.core.request import Request
 from steadfast.worker.core.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 SLACK_BLOCKS = 2  # reserved beyond what the request holds at the start: it decodes on while it is copied
 # Blocks gathered per step: a round of a long context (2048 tokens: 129 blocks, 94 MB in fp32) goes out
@@ -47,14 +52,18 @@ class Migrating:
     rounds: int = 0
     target: int = 0  # the current round's end: the tokens sealed when it began
     parts: int = 0  # frames streamed in the rounds (one per layer and round)
-    paused_at: float = 0.0  # set at the stop-and-copy
+    paused_at: float = 0.0  # set when it stops decoding here: at the stop-and-copy, or held at its reservation
+    final: bool = False  # the stop-and-copy and the COMMIT handed to the sender
     ended: bool = False  # given up (the request ended here, or `give_up`): the sender's result is ignored
     started: float = field(default_factory=time.perf_counter)
 
 
 class OutgoingMigrations:
-    def __init__(self, arena: KVArena, blocks: BlockManager, scheduler: Scheduler, sender: KVSender) -> None:
+    def __init__(
+        self, arena: KVArena, blocks: BlockManager, scheduler: Scheduler, sender: KVSender, step_tokens: int = 1
+    ) -> None:
         self.arena, self.blocks, self.scheduler, self.sender = arena, blocks, scheduler, sender
+        self.step_tokens = step_tokens  # the most tokens one step adds to a request (speculation's drafts + 1)
         self.bs = blocks.block_size
         self._moves: dict[str, Migrating] = {}  # by move name (the sender's key)
         self._by_request: dict[str, str] = {}
@@ -87,15 +96,20 @@ class OutgoingMigrations:
     def after_step(self) -> None:
         """Another round of what was sealed since the last, or the stop-and-copy and the COMMIT."""
         for m in list(self._moves.values()):
-            if m.ended or m.paused_at:
+            if m.ended or m.final:
                 continue
-            if m.request.num_computed < m.sent or m.request not in self.scheduler.running:
+            held = bool(m.paused_at)
+            if not held and (m.request.num_computed < m.sent or m.request not in self.scheduler.running):
                 self._give_up(m, "preempted here while its KV was copied")  # its KV freed: it runs on here
                 continue
+            if not held and m.request.num_computed + self.step_tokens > m.n_blocks * self.bs:
+                self._hold(m)  # one more step would outgrow the reservation
+                held = True
             full = (m.request.num_computed // self.bs) * self.bs
             left_blocks = (full - m.sent) // self.bs
             round_done = m.sent >= m.target
-            if round_done and (m.rounds >= max(1, m.msg.max_stages) or left_blocks <= m.msg.final_stage_blocks):
+            last_round = m.rounds >= max(1, m.msg.max_stages) or left_blocks <= m.msg.final_stage_blocks
+            if round_done and (held or last_round):
                 # Not while a round is still on its way: the pause would wait for all of it.
                 if self.sender.landed(m.msg.move, m.parts):
                     self._final(m)
@@ -121,14 +135,24 @@ class OutgoingMigrations:
             m.parts += self.arena.spec.num_layers
             m.sent = upto
 
+    def _hold(self, m: Migrating) -> None:
+        """Stop decoding here (blocks and ownership kept) until the stop-and-copy."""
+        self.scheduler.detach(m.request)
+        m.paused_at = time.monotonic()
+        if not m.final:
+            log.info(
+                "migration %s: held at the blocks reserved at the destination (%d, round %d): its copy is "
+                "slower than its decode",
+                m.msg.move,
+                m.n_blocks,
+                m.rounds,
+            )
+
     def _final(self, m: Migrating) -> None:
         r = m.request
-        last = m.n_blocks * self.bs
-        if r.num_computed > last:
-            self._give_up(m, f"it outgrew the {m.n_blocks} blocks reserved at the destination while copied")
-            return
-        self.scheduler.detach(r)
-        m.paused_at = time.monotonic()
+        m.final = True
+        if not m.paused_at:
+            self._hold(m)
         # The rest, then zeros into the last reserved block (no slot of the move keeps its last owner's
         # bytes): one frame per layer, gathered at once and handed over with the COMMIT in one job.
         end = max(r.num_computed, (m.n_blocks - 1) * self.bs + 1)
