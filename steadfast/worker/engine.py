@@ -71,17 +71,14 @@ class Engine:
         self.spec = Speculator(cfg.speculative)
         self.orders = Degrade()  # the degradation ladder's, L0 until the router says otherwise
         self.nonfinite_failpoint = ""  # a fault test's: this worker's logits turn non-finite (failpoints.broken)
-        self.scheduler = Scheduler(cfg.scheduler, self.blocks, self._drafts)
-        self.scheduler.cost = copy.copy(loaded.step_cost) if loaded.step_cost is not None else StepCost()
-        self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
-        self.kv = KVConnector(cfg, arena, self.blocks, self.scheduler, sync, sender, receiver)
         self.offload: Offloader | None = None
         if tier is not None:
             book = LedgerSlots(sync, tier.kind) if sync is not None else LocalSlots(tier.num_slots)
             self.offload = Offloader(tier, arena, self.blocks, book, cfg.cache.tier_slots(arena.spec.num_blocks))
-            self.scheduler.swap = self.offload.swap_out
-            self.scheduler.swap_room = self.offload.has_room
-            self.scheduler.prefetch = self.offload.ready
+        cost = copy.copy(loaded.step_cost) if loaded.step_cost is not None else StepCost()
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, self._drafts, self.offload, cost)
+        self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
+        self.kv = KVConnector(cfg, arena, self.blocks, self.scheduler, sync, sender, receiver)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (rejections, transfers)

@@ -20,7 +20,7 @@ from steadfast.control.http.resume_token import MAX_HELD, TOKEN_HEX, parse_event
 from steadfast.control.http.serving import ServingContext
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.ops.harness.bench_cli import server_keys
-from steadfast.ops.supervisor.launcher import warn_exposure
+from steadfast.ops.supervisor.exposure import warn_exposure
 
 pytestmark = pytest.mark.unit
 

@@ -26,8 +26,8 @@ from steadfast.kv.moves.seal import Opener, Sealer, SealError, new_key
 from steadfast.kv.moves.sender import KVSender
 from steadfast.kv.moves.transport import PathDownError, ZmqPath
 from steadfast.kv.moves.wire import AskDecision, Decision, KVFrame, encode
-from steadfast.ops.supervisor.children import ChildKind, ChildSpec, OnExit
-from steadfast.ops.supervisor.launcher import Launcher, PoolNode
+from steadfast.ops.supervisor.children import ChildKind, ChildSpec, OnExit, PoolNode
+from steadfast.ops.supervisor.workers import WorkerLaunch, Workers
 from steadfast.wire.curve import KeyFile, TransferSide, write_deployment_keys
 from steadfast.wire.worker import WorkerRole, WorkerState, WorkerStatus
 from steadfast.worker.kv.wiring import _other_nodes, transfer_side
@@ -119,19 +119,16 @@ def launch_sides(tmp_path, decode_node: str) -> dict[tuple[str, int], list[str]]
     """The worker command lines a launcher builds, by (role, node), without starting anything."""
     server = {"workers": 0, "prefill_workers": 1, "decode_workers": 1, "decode_node": decode_node}
     cfg = Config().replace(server=server, fault_recovery={"kv_cache": {"external_ledger": True}})
-    launcher = Launcher(cfg, run_dir=tmp_path)
     specs: list[ChildSpec] = []
-    launcher._spawn = specs.append  # type: ignore[method-assign]
-    launcher._cfg_json, launcher._output = "{}", "ipc://x"
-    launcher._wire_keys = write_deployment_keys(tmp_path) if decode_node == "separate" else {}
+    keys = write_deployment_keys(tmp_path) if decode_node == "separate" else {}
     pool = ChildSpec(ChildKind.POOL, "kvpool", (), OnExit.RESTART)
-    launcher.nodes = [
-        PoolNode(i, f"ipc://pool{i}", "sqlite://", pool) for i in range(2 if decode_node == "separate" else 1)
-    ]
-    placed = [(WorkerRole.PREFILL, 0), (WorkerRole.DECODE, len(launcher.nodes) - 1)]
-    placed += [(WorkerRole.STANDBY, node) for node in range(len(launcher.nodes))]
+    nodes = [PoolNode(i, f"ipc://pool{i}", "sqlite://", pool) for i in range(2 if decode_node == "separate" else 1)]
+    launch = WorkerLaunch("{}", "ipc://x", SPEC, tmp_path, "", keys)
+    workers = Workers(cfg, launch, nodes, [], specs.append, lambda msg: None)  # type: ignore[arg-type]
+    placed = [(WorkerRole.PREFILL, 0), (WorkerRole.DECODE, len(nodes) - 1)]
+    placed += [(WorkerRole.STANDBY, node) for node in range(len(nodes))]
     for worker_id, (role, node) in enumerate(placed):
-        launcher._spawn_worker(worker_id, role, node)
+        workers.start(worker_id, role, node)
     return {(str(role), node): list(spec.argv) for (role, node), spec in zip(placed, specs, strict=True)}
 
 

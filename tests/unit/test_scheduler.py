@@ -192,10 +192,20 @@ def test_the_line_outlives_a_quiet_spell_and_drafts_take_room():
 
 def test_ladder_l3_swaps_low_priority_out_above_the_kv_target_and_holds_it_back():
     bm = BlockManager(20, 4, False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=200), bm)
     swapped: list[str] = []
-    s.swap = lambda r: swapped.append(r.request_id) or 1  # the tier took its blocks
-    s.swap_room = lambda r: r.request_id != "low-full"  # this one the tier has no room for
+
+    class Tier:
+        def swap_out(self, r):
+            swapped.append(r.request_id)
+            return 1  # the tier took its blocks
+
+        def has_room(self, r):
+            return r.request_id != "low-full"  # this one the tier has no room for
+
+        def ready(self, r, hits, others_run):
+            return True
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=200), bm, tier=Tier())
     reqs = [req("high", 16, 0), req("normal", 16, 1), req("low", 16, 2), req("low-full", 8, 2)]
     for r in reqs:
         s.add(r)

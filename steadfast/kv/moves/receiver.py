@@ -19,7 +19,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 import xxhash
@@ -31,12 +30,11 @@ from steadfast.kv.moves.checks import (
     Drop,
     IncomingLimits,
     RateLimitedLog,
-    covers,
     frame_problem,
-    max_message_bytes,
     message_problem,
 )
-from steadfast.kv.moves.faults import FaultSwitch, TransportFaults
+from steadfast.kv.moves.faults import FaultSwitch
+from steadfast.kv.moves.incoming import Decider, Incoming, MemoryDecisions
 from steadfast.kv.moves.messages import (
     Abort,
     AbortReason,
@@ -56,6 +54,7 @@ from steadfast.kv.moves.messages import (
     Send,
 )
 from steadfast.kv.moves.packing import slots_for, write_span
+from steadfast.kv.moves.receiver_sockets import ReceiverSockets
 from steadfast.kv.moves.seal import Opener, SealError
 from steadfast.kv.moves.session import DestinationSession
 from steadfast.kv.moves.transport import path_names
@@ -69,45 +68,14 @@ from steadfast.kv.moves.wire import (
     decode_to_destination,
     encode,
 )
-from steadfast.wire import curve
-from steadfast.wire.curve import KeyFile, TransferSide
+from steadfast.wire.curve import KeyFile
 
 log = logging.getLogger(__name__)
 
-DATA_RCVHWM = 16  # messages a data channel buffers unread (each at most one layer of the arena)
+
 CLAIM_TIMEOUT_S = 30.0  # a committed move nobody claimed this long is given back to the pool
 QUIET_FLOOR_S = 2.0  # a source is taken to be gone only after this long without a word, at least
 TOMBSTONE_S = 60.0  # an ended session is remembered this long: a late PREALLOC never reserves again
-
-Decider = Callable[[str, MoveOutcome], MoveOutcome]
-
-
-class MemoryDecisions:
-    """The decision record when there is no ledger (a receiver on its own, in tests): first writer wins."""
-
-    def __init__(self) -> None:
-        self._decided: dict[str, MoveOutcome] = {}
-
-    def __call__(self, session: str, proposal: MoveOutcome) -> MoveOutcome:
-        return self._decided.setdefault(session, proposal)
-
-
-@dataclass
-class _Incoming:
-    session: DestinationSession
-    request_id: str
-    sock: zmq.Socket  # the connection that opened it: the only one it hears (a made-up copy of a live
-    peer: bytes  # session's name from elsewhere writes nothing); `peer`, its routing id, is where answers go
-    manifests: dict[int, Copy] = field(default_factory=dict)
-    # stage -> part -> (layer, start, count) of the parts written and verified
-    spans: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)
-    ended: float = math.inf
-    faults: TransportFaults | None = None  # a drill's, armed when the session opened
-    acks_dropped: int = 0
-    held_until: float = 0.0  # a held stage: its messages wait in `held` until then
-    held: list[ToDestination] = field(default_factory=list)
-    opener: Opener | None = None  # its sealed data channel (`kv/moves/seal.py`), when the source asked
-    data_port: int = 0  # that channel's socket, beside `sock`
 
 
 class KVReceiver:
@@ -146,42 +114,11 @@ class KVReceiver:
         self.quiet_s = max(2 * timeout_s, QUIET_FLOOR_S)
         self.limits = limits or IncomingLimits.of(TransferConfig(), arena.spec.num_blocks)
         self.fault_source = faults
-        # A context of its own: the ZAP handler that checks CURVE clients serves one context, and a
-        # receiver's must answer for its sockets only. It runs before any socket binds (none unchecked).
-        self.ctx = zmq.Context()
-        self.auth = curve.guard(self.ctx, keys.expect(TransferSide.RECEIVE).peers) if keys is not None else None
-        self.socks: list[zmq.Socket] = []
-        self.addresses: list[str] = []
-        for address in addresses:
-            sock = self.ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            # Bigger than one layer of the whole arena is no frame: libzmq drops it with its connection
-            # from the length in its header, before buffering it.
-            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(arena.spec))
-            # A source that reconnects with its routing id (the sender's paths keep one) keeps its sessions.
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            if keys is not None:
-                curve.as_server(sock, keys)
-            if address.endswith(":0"):
-                host = address.rsplit(":", 1)[0]
-                address = f"{host}:{sock.bind_to_random_port(host)}"
-            else:
-                sock.bind(address)
-            self.socks.append(sock)
-            self.addresses.append(address)
-        # With CURVE, a plain socket beside each: sessions whose source sent a key move their bytes there
-        # sealed (`kv/moves/seal.py`), without CURVE's cost. Anyone may connect; nothing unsealed is read.
-        self.data_socks: list[zmq.Socket] = []
-        self._data_port: dict[zmq.Socket, int] = {}
-        for sock, address in zip(self.socks, self.addresses, strict=True) if keys is not None else ():
-            data = self.ctx.socket(zmq.PULL)
-            data.setsockopt(zmq.LINGER, 0)
-            data.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(arena.spec))
-            data.setsockopt(zmq.RCVHWM, DATA_RCVHWM)  # what an unauthenticated peer can make us buffer
-            self._data_port[sock] = data.bind_to_random_port(address.rsplit(":", 1)[0])
-            self.data_socks.append(data)
+        self.net = ReceiverSockets(arena.spec, addresses, keys)
+        self.socks, self.data_socks, self.addresses = self.net.socks, self.net.data_socks, self.net.addresses
+        self._data_port = self.net.data_port
         self._lock = threading.Lock()
-        self._sessions: dict[str, _Incoming] = {}
+        self._sessions: dict[str, Incoming] = {}
         self._latest: dict[str, str] = {}  # request -> its newest session
         self._claims: dict[str, tuple[list[int], float]] = {}  # request -> committed blocks, since when
         self._stop = False
@@ -226,11 +163,7 @@ class KVReceiver:
         """Stop; blocks reserved or committed and not claimed go back to the pool."""
         self._stop = True
         self._thread.join(timeout=5)
-        for sock in self.socks + self.data_socks:
-            sock.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()
-        self.ctx.term()
+        self.net.close()
         with self._lock:
             for inc in self._sessions.values():
                 if inc.session.holds_reservation and inc.session.block_ids:
@@ -355,7 +288,7 @@ class KVReceiver:
                     sock.send_multipart([peer, encode(Abort(msg.session, AbortReason.DESTINATION_ABORT))])
                 return
             d = inc.session
-            if self._held(inc, msg, now):
+            if inc.held_back(msg, now):
                 return
             match msg:
                 case KVFrame():
@@ -381,32 +314,18 @@ class KVReceiver:
                     else:  # decided aborted before it prepared: the reservation goes back now
                         self._act(inc, d.abort(AbortReason.DESTINATION_ABORT, now), now)
                     return
-                case Commit() if self._prepares(inc, msg) and not self._covered(inc):
+                case Commit() if inc.prepares(msg) and not inc.covered(self.arena.spec.num_layers, self.block_size):
                     # Every announced part came and checked, yet some layer lacks tokens: the blocks would
                     # hold stale bytes of their last owner. The source is broken; resending cannot help.
                     self._drop(Drop.INCOMPLETE, msg.session, "the parts leave tokens of some layer unwritten")
                     actions = d.abort(AbortReason.DESTINATION_ABORT, now)
                 case Commit():
-                    actions = [self._with_parts(inc, a) for a in d.on_commit(msg, now)]
+                    actions = [inc.with_parts(a) for a in d.on_commit(msg, now)]
                 case _:
                     actions = d.receive(msg, now)
             self._act(inc, actions, now)
 
-    def _held(self, inc: _Incoming, msg: ToDestination, now: float) -> bool:
-        """A drill's `hold_s`: from the session's first frame its stage waits (frames, manifests, COMMITs;
-        the source's heartbeat and ABORT still get through)."""
-        hold = inc.faults.hold_s if inc.faults is not None else 0.0
-        if not hold or not isinstance(msg, KVFrame | Copy | Commit):
-            return False
-        if not inc.held_until:
-            inc.held_until = now + hold
-            log.warning("KV move %s: fault drill: its stage is held for %.2f s", msg.session, hold)
-        if now >= inc.held_until:
-            return False
-        inc.held.append(msg)
-        return True
-
-    def _open(self, sock: zmq.Socket, peer: bytes, msg: Prealloc, now: float) -> _Incoming | None:
+    def _open(self, sock: zmq.Socket, peer: bytes, msg: Prealloc, now: float) -> Incoming | None:
         """A new session, or None when refused (answered ABORT, nothing reserved, nothing kept). An older
         one of the same request (the source moved to another path) is given up first, so a request never
         holds two reservations here; a request whose KV already committed here gets no second move (it
@@ -421,7 +340,7 @@ class KVReceiver:
             return self._refuse(sock, peer, msg, AbortReason.BUSY)
         if self._reserved() + msg.n_blocks > self.limits.blocks:
             return self._refuse(sock, peer, msg, AbortReason.NO_ROOM)
-        inc = self._sessions[msg.session] = _Incoming(DestinationSession(msg.session, self.quiet_s), rid, sock, peer)
+        inc = self._sessions[msg.session] = Incoming(DestinationSession(msg.session, self.quiet_s), rid, sock, peer)
         self._latest[rid] = msg.session
         if msg.seal_key and sock in self._data_port:
             inc.opener, inc.data_port = Opener(msg.seal_key, msg.session), self._data_port[sock]
@@ -435,7 +354,7 @@ class KVReceiver:
         self._log.warning(reason, "KV move %s refused (%s, %d blocks asked)", msg.session, reason, msg.n_blocks)
         sock.send_multipart([peer, encode(Abort(msg.session, reason))])
 
-    def _frame(self, inc: _Incoming, f: KVFrame, now: float) -> None:
+    def _frame(self, inc: Incoming, f: KVFrame, now: float) -> None:
         d = inc.session
         if d.state not in (DestinationState.RESERVED, DestinationState.RECEIVING):
             return  # a straggler, or a resend no longer needed: nothing is written once prepared
@@ -459,43 +378,13 @@ class KVReceiver:
         got[f.part] = (f.layer, f.start, f.count)
         self._complete(inc, f.stage, now)
 
-    def _complete(self, inc: _Incoming, stage: int, now: float) -> None:
+    def _complete(self, inc: Incoming, stage: int, now: float) -> None:
         """A stage whose manifest and every part are in counts as received."""
         m = inc.manifests.get(stage)
         if m is not None and stage not in inc.session.got and inc.spans.get(stage, {}).keys() >= set(range(m.parts)):
             self._act(inc, inc.session.on_copy(m, now), now)
 
-    def _prepares(self, inc: _Incoming, msg: Commit) -> bool:
-        """Whether this COMMIT finds every stage it names received (the session would prepare)."""
-        d = inc.session
-        receiving = d.state in (DestinationState.RESERVED, DestinationState.RECEIVING)
-        return receiving and all(s in d.got for s in range(msg.stages))
-
-    def _covered(self, inc: _Incoming) -> bool:
-        """Whether the announced parts written give every layer every token of the move."""
-        spans = [
-            span
-            for stage, parts in inc.spans.items()
-            if stage in inc.manifests
-            for k, span in parts.items()
-            if k < inc.manifests[stage].parts
-        ]
-        return covers(spans, self.arena.spec.num_layers, len(inc.session.block_ids), self.block_size)
-
-    def _with_parts(self, inc: _Incoming, action: Action) -> Action:
-        """An ack that names missing stages also names their missing parts, so only those are resent."""
-        if not (isinstance(action, Send) and isinstance(action.message, CommitAck) and action.message.missing):
-            return action
-        parts = tuple(
-            (stage, k)
-            for stage in action.message.missing
-            if stage in inc.manifests
-            for k in range(inc.manifests[stage].parts)
-            if k not in inc.spans.get(stage, {})
-        )
-        return Send(msgspec.structs.replace(action.message, parts=parts))
-
-    def _act(self, inc: _Incoming, actions: list[Action], now: float) -> None:
+    def _act(self, inc: Incoming, actions: list[Action], now: float) -> None:
         work = list(actions)
         while work:
             match work.pop(0):

@@ -23,7 +23,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import xxhash
 import zmq
@@ -46,6 +45,7 @@ from steadfast.kv.moves.messages import (
     Send,
     SourceState,
 )
+from steadfast.kv.moves.outgoing import Outgoing
 from steadfast.kv.moves.retry import RetryPolicy
 from steadfast.kv.moves.sender_jobs import (
     AbortJob,
@@ -67,33 +67,6 @@ from steadfast.wire.curve import KeyFile
 log = logging.getLogger(__name__)
 
 TOMBSTONE_S = 60.0  # an ended session is remembered this long, so a late answer to it is recognised
-
-
-@dataclass
-class _Outgoing:
-    request_id: str
-    addresses: list[tuple[str, str]]  # (path name, address), in fallback order
-    num_tokens: int
-    n_blocks: int
-    parts: list[Layer] = field(default_factory=list)  # part k of the copy stage is parts[k]
-    path: int = 0  # index into addresses
-    session: SourceSession | None = None  # the current path's
-    sent: set[int] = field(default_factory=set)  # parts sent in the current session
-    commit_wanted: bool = False
-    asks: int = 0  # decisions asked for in the current session
-    problem: str = ""  # what the current path's last answer said was wrong
-    heartbeat: float = 0.0  # when the current session last told the destination it is alive
-    alive: float = 0.0  # when the engine last gave this transfer a job or a touch
-    errors: list[str] = field(default_factory=list)
-    retries: int = 0
-    fallbacks: int = 0
-    bytes: int = 0
-    t_commit: float = 0.0
-    t_first: float = 0.0  # when the first frame went out
-    probe: bool = False  # track what has landed (a copy in rounds)
-    probed: int = 0  # parts sent in this session when the last probe went
-    probe_at: float = 0.0
-    landed: int = 0  # parts sent before the last probe the destination answered, in this session
 
 
 class KVSender:
@@ -127,7 +100,7 @@ class KVSender:
         self.ctx = zmq.Context.instance()
         self._jobs: queue.Queue[Job] = queue.Queue()
         self._results: queue.Queue[TransferResult] = queue.Queue()
-        self._out: dict[str, _Outgoing] = {}
+        self._out: dict[str, Outgoing] = {}
         # Every session by name, with its path and, once ended, until when it is kept as a tombstone.
         self._sessions: dict[str, tuple[SourceSession, tuple[str, str], float]] = {}
         self._paths: dict[tuple[str, str], Transport] = {}
@@ -237,7 +210,7 @@ class KVSender:
         match job:
             case Begin():
                 n_blocks = -(-job.num_tokens // self.block_size)
-                out = _Outgoing(job.request_id, job.addresses, job.num_tokens, n_blocks, probe=job.probe)
+                out = Outgoing(job.request_id, job.addresses, job.num_tokens, n_blocks, probe=job.probe)
                 self._out[job.request_id] = out
                 self.faults = self.fault_source() if self.fault_source is not None else None
                 if self.faults is not None:  # a drill: say so, so nobody mistakes it for a real fault
@@ -274,7 +247,7 @@ class KVSender:
                 out.errors.append("aborted")
                 self._end(out, TransferOutcome.ABORTED)
 
-    def _path(self, out: _Outgoing) -> Transport:
+    def _path(self, out: Outgoing) -> Transport:
         key = out.addresses[out.path]
         if key not in self._paths:
             path: Transport = ZmqPath(self.ctx, key[0], key[1], self.timeout_s, self.keys)
@@ -284,7 +257,7 @@ class KVSender:
             path.arm(self.faults)
         return path
 
-    def _open(self, out: _Outgoing) -> None:
+    def _open(self, out: Outgoing) -> None:
         """A session on the current path: PREALLOC (everything is sent again on a new path)."""
         sid = f"{out.request_id}/{out.path}"
         s = out.session = SourceSession(sid, MoveKind.TRANSFER, self.timeout_s, self.retries)
@@ -293,7 +266,7 @@ class KVSender:
         out.probed, out.landed = 0, 0
         self._act(out, s.prealloc(out.n_blocks, time.monotonic()))
 
-    def _send_part(self, out: _Outgoing, k: int) -> None:
+    def _send_part(self, out: Outgoing, k: int) -> None:
         assert out.session is not None
         p = out.parts[k]
         frame = KVFrame(out.session.session, 0, k, p.layer, p.start, p.count, xxhash.xxh3_64_intdigest(p.data), p.data)
@@ -302,7 +275,7 @@ class KVSender:
         out.sent.add(k)
         out.t_first = out.t_first or time.perf_counter()
 
-    def _send_parts(self, out: _Outgoing, parts: Iterable[int]) -> None:
+    def _send_parts(self, out: Outgoing, parts: Iterable[int]) -> None:
         """Those of `parts` not sent in this session yet, up to the first the path refuses (a path that
         is down is not asked again for every part; the session's timer deals with it)."""
         for k in parts:
@@ -313,7 +286,7 @@ class KVSender:
                     out.problem = str(exc)
                     return
 
-    def _finish(self, out: _Outgoing) -> None:
+    def _finish(self, out: Outgoing) -> None:
         """The prompt is done and the destination reserved: the rest of the frames, the one final copy
         stage (every block), COMMIT."""
         s = out.session
@@ -381,7 +354,7 @@ class KVSender:
                 with contextlib.suppress(PathDownError):
                     self._paths[key].send(action.message)
 
-    def _on_answer(self, out: _Outgoing, s: SourceSession, msg: ToSource) -> None:
+    def _on_answer(self, out: Outgoing, s: SourceSession, msg: ToSource) -> None:
         now = time.monotonic()
         if isinstance(msg, Decision):
             self._act(out, s.on_decided(msg.outcome, now))
@@ -411,7 +384,7 @@ class KVSender:
             if out.commit_wanted:
                 self._finish(out)
 
-    def _act(self, out: _Outgoing, actions: list[Action], reported: bool = False) -> None:
+    def _act(self, out: Outgoing, actions: list[Action], reported: bool = False) -> None:
         s = out.session
         for a in actions:
             match a:
@@ -447,7 +420,7 @@ class KVSender:
                     self._end(out, TransferOutcome.OK, list(s.dest_blocks))
                     return
 
-    def _try(self, out: _Outgoing, send) -> None:  # noqa: ANN001 - a send with its arguments bound
+    def _try(self, out: Outgoing, send) -> None:  # noqa: ANN001 - a send with its arguments bound
         """A send on a path that is down is an unanswered one: the session's timer retries, then aborts."""
         try:
             send()
@@ -455,7 +428,7 @@ class KVSender:
         except PathDownError as exc:
             out.problem = str(exc)
 
-    def _next_path(self, out: _Outgoing) -> None:
+    def _next_path(self, out: Outgoing) -> None:
         self._retire(out)
         out.fallbacks += 1
         out.path += 1
@@ -464,24 +437,14 @@ class KVSender:
         else:
             self._end(out, TransferOutcome.FAILED)
 
-    def _retire(self, out: _Outgoing) -> None:
+    def _retire(self, out: Outgoing) -> None:
         if out.session is not None:
             sid = out.session.session
             self._sessions[sid] = (out.session, self._sessions[sid][1], time.monotonic() + TOMBSTONE_S)
             out.session = None
 
-    def _end(self, out: _Outgoing, outcome: TransferOutcome, block_ids: list[int] | None = None) -> None:
+    def _end(self, out: Outgoing, outcome: TransferOutcome, block_ids: list[int] | None = None) -> None:
         if self._out.pop(out.request_id, None) is None:
             return
         self._retire(out)
-        now = time.perf_counter()
-        t_commit = out.t_commit or now
-        result = TransferResult(out.request_id, outcome, block_ids or [], retries=out.retries, fallbacks=out.fallbacks)
-        result.bytes, result.seconds = out.bytes, now - t_commit
-        if outcome is TransferOutcome.OK:
-            result.path, result.stream_seconds = out.addresses[out.path][0], now - (out.t_first or t_commit)
-        elif outcome is TransferOutcome.ABORTED:
-            result.error = "aborted"
-        else:
-            result.error = "every path failed: " + "; ".join(out.errors[-3:])
-        self._results.put(result)
+        self._results.put(out.result(outcome, block_ids or []))

@@ -1,18 +1,24 @@
 """What the supervisor starts: one spec per child process — its kind, its command line, and what to do
-when it exits. The launcher and the fault-test harness build command lines only through these, so a
-flag changes in one place.
+when it exits — and the child once started. The launcher and the fault-test harness build command lines
+only through these, so a flag changes in one place.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import logging
+import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 
 from steadfast.kv.arena.spec import ArenaSpec
+from steadfast.ops.supervisor.zygote_client import Process
 from steadfast.wire.curve import TransferSide
 from steadfast.wire.worker import WorkerRole
+
+log = logging.getLogger("steadfast.launcher")
 
 
 class ChildKind(enum.Enum):
@@ -158,3 +164,50 @@ def router_spec(
         for worker_id, address in workers:
             argv += [flag, f"{worker_id}={address}"]
     return ChildSpec(ChildKind.ROUTER, "router", tuple(argv), OnExit.RESTART_ROUTER)
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: Process  # a subprocess.Popen, or a worker the zygote forked
+    stopping_since: float | None = None  # when it was sent SIGTERM by the launcher's stop
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def terminate(self) -> None:
+        """SIGTERM, once: its time to exit counts from the first."""
+        if self.stopping_since is None and self.proc.poll() is None:
+            self.stopping_since = time.monotonic()
+            self.proc.terminate()
+
+
+def stop_all(children: list[Child], limit: float) -> None:
+    """SIGTERM each (unless sent already), then wait for each up to `limit` seconds after its SIGTERM;
+    kill those still running."""
+    for c in children:
+        c.terminate()
+    for c in children:
+        since = c.stopping_since if c.stopping_since is not None else time.monotonic()
+        try:
+            c.proc.wait(timeout=max(0.0, since + limit - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) did not stop within %.0fs; killing it", c.name, c.proc.pid, limit)
+            c.proc.kill()
+            c.proc.wait()
+
+
+@dataclass
+class PoolNode:
+    """One node's KV memory: a kvpool daemon with its arena and ledger. A second one on this host
+    stands in for another machine (its workers receive KV over TCP, never by handoff)."""
+
+    index: int
+    address: str
+    ledger_url: str
+    spec: ChildSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name

@@ -18,18 +18,16 @@ restarted, fenced or logged as an error.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 
@@ -38,34 +36,24 @@ import zmq
 
 from steadfast.cluster.members import MembershipError
 from steadfast.cluster.node import ClusterPart, PartRole
-from steadfast.config import Config, env
-from steadfast.config.ledger_url import is_loopback_host, plaintext_remote_members
-from steadfast.kv.arena.files import ArenaSpaceError, check_space, make_arena
+from steadfast.config import Config
+from steadfast.kv.arena.files import ArenaSpaceError, check_space
 from steadfast.kv.arena.spec import ArenaSpec, arena_spec
-from steadfast.kv.ledger.open import sibling_ledger_url, sqlite_url
-from steadfast.kv.pool.client import PoolClient
 from steadfast.model.gguf_meta import open_gguf, read_config
 from steadfast.ops.supervisor.arena_dir import ArenaDir
-from steadfast.ops.supervisor.children import (
-    ArenaSource,
-    ChildKind,
-    ChildSpec,
-    OnExit,
-    pool_spec,
-    router_spec,
-    worker_spec,
-)
-from steadfast.ops.supervisor.lease_watch import LeaseWatch
-from steadfast.ops.supervisor.zygote_client import Process, Zygote, become_subreaper, reap_orphans
+from steadfast.ops.supervisor.children import Child, ChildKind, ChildSpec, OnExit, PoolNode, router_spec, stop_all
+from steadfast.ops.supervisor.exposure import hand_keys_to_children, warn_exposure
+from steadfast.ops.supervisor.pools import PoolStartError, start_pool
+from steadfast.ops.supervisor.workers import WorkerLaunch, Workers
+from steadfast.ops.supervisor.zygote_client import Zygote, become_subreaper, reap_orphans
 from steadfast.util.etcd import EtcdError
 from steadfast.wire.codec import encode
-from steadfast.wire.curve import CurveUnavailableError, TransferSide, write_deployment_keys
+from steadfast.wire.curve import CurveUnavailableError, write_deployment_keys
 from steadfast.wire.worker import WorkerDied, WorkerJoined, WorkerRole, decode_to_supervisor
 
 log = logging.getLogger("steadfast.launcher")
 
 
-STANDBY_RESPAWN_DELAY_S = 2.0  # a replacement that loads its own model copy (`model.shared_weights: false`)
 # How long each kind of child gets to exit after its SIGTERM, before it is killed. The router's is on top
 # of `server.shutdown_timeout`: to send the error events of the streams it ended, and close (uvicorn's 5 s).
 ROUTER_STOP_GRACE_S = 10.0
@@ -84,75 +72,6 @@ class StartupError(RuntimeError):
     pass
 
 
-def hand_keys_to_children(cfg: Config) -> None:
-    """Secrets reach the children through their inherited environment, never their command lines
-    (which every local user can read); the resume key is made once per deployment, so a restarted
-    router accepts the event ids its predecessor sent."""
-    client_keys = [dataclasses.asdict(k) for k in cfg.access.keys]
-    env.export_keys(
-        cfg.server.api_key, cfg.server.admin_api_key, env.resume_key() or secrets.token_bytes(32), client_keys
-    )
-
-
-def warn_exposure(cfg: Config, role: PartRole, join: str = "") -> None:
-    """Log a warning, once at start, for what this deployment leaves open on the network: a router on a
-    non-loopback address with no API key (anyone who reaches it may use /v1), and a ledger or join URL
-    naming etcd members on other hosts over plain HTTP (every prompt and token crosses in clear)."""
-    srv = cfg.server
-    if role is not PartRole.NODE and not (srv.api_key or cfg.access.keys) and not is_loopback_host(srv.host):
-        log.warning(
-            "the router listens on %s with no API key: anyone who reaches it may use /v1 "
-            "(set server.api_key or STEADFAST_API_KEY, or listen on 127.0.0.1)%s",
-            srv.host or "every address",
-            ""
-            if cfg.access.client_priority != "auto"
-            else "; every request is served at normal priority "
-            "(keys with max_priority in access.keys, or access.client_priority: on)",
-        )
-    warned: set[str] = set()
-    for url in (cfg.fault_recovery.kv_cache.resolved_ledger_url, join):
-        members = [m for m in plaintext_remote_members(url) if m not in warned]
-        if members:
-            warned.update(members)
-            log.warning(
-                "etcd member(s) %s are reached over plain HTTP: every prompt and generated token in the "
-                "ledger crosses the network unencrypted (use etcd+https://)",
-                ", ".join(members),
-            )
-
-
-@dataclass
-class Child:
-    spec: ChildSpec
-    proc: Process  # a subprocess.Popen, or a worker the zygote forked
-    stopping_since: float | None = None  # when it was sent SIGTERM by the launcher's stop
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def terminate(self) -> None:
-        """SIGTERM, once: its time to exit counts from the first."""
-        if self.stopping_since is None and self.proc.poll() is None:
-            self.stopping_since = time.monotonic()
-            self.proc.terminate()
-
-
-@dataclass
-class PoolNode:
-    """One node's KV memory: a kvpool daemon with its arena and ledger. A second one on this host
-    stands in for another machine (its workers receive KV over TCP, never by handoff)."""
-
-    index: int
-    address: str
-    ledger_url: str
-    spec: ChildSpec
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-
 @dataclass
 class Launcher:
     cfg: Config
@@ -164,16 +83,12 @@ class Launcher:
     arena_folder: ArenaDir | None = None
     shared_files: list[str] = field(default_factory=list)
     nodes: list[PoolNode] = field(default_factory=list)
-    node_of: dict[int, int] = field(default_factory=dict)  # worker id → index into nodes
-    role_of: dict[int, WorkerRole] = field(default_factory=dict)  # worker id → the role it started with
+    workers: Workers | None = None  # this host's workers (none in a router part)
     pool_restarts: int = 0
-    next_worker_id: int = 0
     phase: Phase = Phase.SERVING
     zygote: Zygote | None = None  # forks the workers (`model.fork_workers`)
     cluster: ClusterPart | None = None  # one part of a deployment over hosts (`serve --role router|node`)
     _next_reap: float = 0.0  # (a subreaper adopts every orphan below it: see reap_orphans)
-    _respawn_at: list[tuple[float, int]] = field(default_factory=list)  # (when, node index)
-    leases: LeaseWatch = field(default_factory=LeaseWatch)  # fences what a stopped pool does not
     # Once the router runs, a SIGTERM or SIGINT is a stop in order (its clients' streams drain), even one
     # that comes before `wait`: kept here, acted on there.
     router_started: bool = False
@@ -225,8 +140,14 @@ class Launcher:
         if cfg.model.resolved_device == "cpu":  # else every arena is device memory
             self._check_arena_space(pools or len(placed), spec)
         for i in range(pools):
-            self._start_pool(i, cfg_json, spec)
-        self._cfg_json, self._output, self._spec = cfg_json, output, spec
+            try:
+                node = start_pool(
+                    cfg, i, cfg_json, spec, self.run_dir, self.arena_folder.path, self.shared_files, self._spawn
+                )
+            except PoolStartError as exc:
+                raise StartupError(str(exc)) from None
+            self.nodes.append(node)
+        self._cfg_json, self._output = cfg_json, output
         # The router asks here for new workers (a rollout); the run folder is 0700, so only this user can.
         self._supervisor_address = f"ipc://{self.run_dir}/supervisor"
         self._requests = zmq.Context.instance().socket(zmq.PULL)
@@ -236,22 +157,26 @@ class Launcher:
         # The KV wire between nodes: one keypair per side, made once per deployment, handed over as files.
         wire_keys = srv.decode_node == "separate" and cfg.transfer.curve
         try:
-            self._wire_keys = write_deployment_keys(self.run_dir) if wire_keys else {}
+            keys = write_deployment_keys(self.run_dir) if wire_keys else {}
         except CurveUnavailableError as exc:
             raise StartupError(str(exc)) from None
         self._start_zygote()
+        launch = WorkerLaunch(cfg_json, output, spec, self.run_dir, self.arena_folder.path, keys)
+        self.workers = workers = Workers(
+            cfg, launch, self.nodes, self.children, self._spawn, self._notify, self.zygote, self.cluster
+        )
         if self.cluster is not None:  # a node: its workers join the router through its record in etcd
             assert self.cluster.membership is not None
             try:
                 self.cluster.membership.join()
                 for role, node in placed:
-                    worker_id = self._take_worker_id()
-                    self._notify(WorkerJoined(worker_id, self._spawn_worker(worker_id, role, node), role))
+                    worker_id = workers.take_id()
+                    self._notify(WorkerJoined(worker_id, workers.start(worker_id, role, node), role))
             except (MembershipError, EtcdError) as exc:
                 raise StartupError(f"node {self.cluster.membership.name} cannot join: {exc}") from None
             return
         for worker_id, (role, node) in enumerate(placed):
-            self._spawn_worker(worker_id, role, node)
+            workers.start(worker_id, role, node)
         active = [i for i, (role, _) in enumerate(placed) if role != WorkerRole.STANDBY]
         self._spawn(self._router_spec(active, [i for i in range(len(placed)) if i not in active]))
         self.router_started = True
@@ -311,20 +236,6 @@ class Launcher:
         except ArenaSpaceError as exc:
             raise StartupError(str(exc)) from None
 
-    def _arena_path(self, name: str) -> str:
-        assert self.arena_folder is not None
-        return os.path.join(self.arena_folder.path, name)
-
-    def _worker_address(self, worker_id: int) -> str:
-        if self.cluster is not None:
-            return self.cluster.worker_address()
-        return f"ipc://{self.run_dir}/worker{worker_id}"
-
-    def _take_worker_id(self) -> int:
-        if self.cluster is not None:
-            return self.cluster.take_worker_id()
-        return self.next_worker_id
-
     def _notify(self, msg: WorkerDied | WorkerJoined) -> None:
         """Tell the router: on this host through its output socket; from a node, in its record in etcd."""
         if self.cluster is not None:
@@ -338,8 +249,9 @@ class Launcher:
         if self.cluster is not None:  # the router part: nodes join through etcd
             joins = (self.cluster.members.join_url, self.cluster.keys_path)
             return router_spec(self._cfg_json, self._output, [], [], [], "", joins)
+        assert self.workers is not None
         ledgers = [node.ledger_url for node in self.nodes]
-        with_address = [[(i, self._worker_address(i)) for i in ids] for ids in (active, standbys)]
+        with_address = [[(i, self.workers.address(i)) for i in ids] for ids in (active, standbys)]
         return router_spec(self._cfg_json, self._output, ledgers, *with_address, self._supervisor_address)
 
     def _router_died(self, c: Child) -> Child:
@@ -350,104 +262,12 @@ class Launcher:
         )
         return self._spawn(self._router_spec(alive, []))
 
-    def _spawn_worker(self, worker_id: int, role: WorkerRole, node: int = 0, fresh: bool = False) -> str:
-        """Start worker `worker_id` (its lease is named after it) on `node`; return its input address.
-        Forked by the zygote when there is one ready, unless `fresh` (exec'd: it runs the code on disk)."""
-        if self.nodes:
-            source = ArenaSource(pool=self.nodes[node].address)
-        elif self.cfg.model.resolved_device != "cpu":
-            source = ArenaSource(device=True)  # device memory cannot be made here and handed over
-        else:
-            path = self._arena_path(f"worker{worker_id}.kv")
-            os.close(make_arena(path, self._spec.nbytes, json.dumps(asdict(self._spec))))  # the worker maps it
-            source = ArenaSource(arena_file=path)
-        address = self._worker_address(worker_id)
-        self.node_of[worker_id] = node
-        self.role_of[worker_id] = role
-        self.next_worker_id = max(self.next_worker_id, worker_id + 1)
-        side = TransferSide.NONE  # one node: no KV wire at all
-        if self.cfg.server.decode_node == "separate":
-            # A prefill worker only sends; every worker that may decode (standbys too: one may be promoted)
-            # receives (a prefill's KV, a migration's) and sends (a migration away).
-            side = TransferSide.SEND if role == WorkerRole.PREFILL else TransferSide.BOTH
-        sides = (TransferSide.SEND, TransferSide.RECEIVE) if side is TransferSide.BOTH else (side,)
-        keys = tuple(str(self._wire_keys[s]) for s in sides if s in self._wire_keys)
-        folder = self.arena_folder.path if self.arena_folder is not None else ""
-        weights = folder if self.cfg.model.shared_weights else ""  # the node's weight store lives beside its arena
-        cluster_keys = self.cluster.keys_path if self.cluster is not None else ""
-        spec = worker_spec(
-            self._cfg_json, worker_id, address, self._output, role, source, node, side, keys, weights, cluster_keys
-        )
-        forked = None if fresh or self.zygote is None else self.zygote.fork(list(spec.argv[1:]))
-        if forked is not None:
-            self.children.append(Child(spec, forked))
-        else:
-            self._spawn(spec)
-        return address
-
-    def _kill_fenced(self) -> None:
-        """End every worker fenced while alive (by its pool, or here: `LeaseWatch`)."""
-        fenced = self.leases.fenced({node.name: node.ledger_url for node in self.nodes}, time.monotonic())
-        for c in self.children:
-            if c.name in fenced and c.proc.poll() is None:
-                log.error("%s (pid %d) was fenced while alive; killing it", c.name, c.proc.pid)
-                c.proc.kill()
-
-    def _worker_died(self, c: Child) -> None:
-        """Reaped worker: fence it through its node's pool (pid confirmed gone), tell the router; a
-        standby replaces it on that node soon."""
-        worker_id = c.spec.worker_id
-        node = self.node_of.pop(worker_id, 0)
-        code = c.proc.returncode
-        if code == 0:
-            # Retired (drained: the router moved its requests away) or stopped by SIGTERM: it released its
-            # lease and blocks itself. A planned stop: nothing to fence, no replacement until told.
-            log.info("%s (pid %d) retired", c.name, c.proc.pid)
-            self._notify(WorkerDied(worker_id, c.proc.pid, 0))
-            return
-        log.error("%s (pid %d) exited with code %s; its requests move to another worker", c.name, c.proc.pid, code)
-        if self.nodes and c.name in self.leases.fenced_here:
-            # Fenced here because its pool did not: the pool reclaims its blocks when it runs again.
-            self.leases.fenced_here.discard(c.name)
-        elif self.nodes:
-            try:
-                kept = PoolClient(self.nodes[node].address, "supervisor", timeout_s=1.0, attempts=3).fence_dead(
-                    c.name, c.proc.pid
-                )
-                log.info("%s fenced; %d sealed blocks kept for adoption", c.name, len(kept))
-            except Exception as exc:  # the pool fences on lease expiry anyway; adoption then waits for it
-                log.warning("could not fence %s at once: %s", c.name, exc)
-        self._notify(WorkerDied(worker_id, c.proc.pid, code if code is not None else -1))
-        # At once when the replacement maps the node's weight store (imports and a warm-up, no model to
-        # load); else a little later: loading a model takes both cores for seconds, and the takeover
-        # needs them now. Not at all when stopping.
-        if self.phase is Phase.SERVING:
-            delay = 0.0 if self.cfg.model.shared_weights else STANDBY_RESPAWN_DELAY_S
-            self._respawn_at.append((time.monotonic() + delay, node))
-
-    def _respawn_due(self) -> list[Child]:
-        """Start the standbys whose replacement time has come; return them."""
-        started = []
-        now = time.monotonic()
-        for due in [d for d in self._respawn_at if d[0] <= now]:
-            self._respawn_at.remove(due)
-            try:
-                new_id = self._take_worker_id()
-            except MembershipError as exc:  # etcd unreachable: the replacement waits for it
-                log.warning("standby replacement postponed: %s", exc)
-                self._respawn_at.append((now + 1.0, due[1]))
-                continue
-            address = self._spawn_worker(new_id, WorkerRole.STANDBY, due[1])
-            self._notify(WorkerJoined(new_id, address, WorkerRole.STANDBY))
-            started.append(self.children[-1])
-        return started
-
     def _requested(self) -> list[Child]:
-        """Workers the router asked for (a rollout's replacements): started like the one named, each
-        announced with WorkerJoined. A malformed request or one naming no live worker is dropped."""
+        """Workers the router asked for (a rollout's replacements), each like the one named. A malformed
+        request or one naming no live worker is dropped."""
         started: list[Child] = []
-        if self.role is PartRole.ROUTER:
-            return started  # (its nodes' supervisors start workers)
+        if self.workers is None:
+            return started  # a router part (its nodes' supervisors start workers)
         while True:
             try:
                 data = self._requests.recv(zmq.NOBLOCK)
@@ -458,16 +278,11 @@ class Launcher:
             except Exception:  # noqa: BLE001 - msgspec's errors: nothing is started for it
                 log.warning("dropped a malformed request on the supervisor socket")
                 continue
-            if ask.like not in self.node_of:
-                log.warning("asked for a worker like worker %d, which is not running", ask.like)
-                continue
-            if not started:
+            if not started and ask.like in self.workers.node_of:
                 started += self._renew_zygote()
-            new_id, role = self._take_worker_id(), self.role_of[ask.like]
-            address = self._spawn_worker(new_id, role, self.node_of[ask.like], fresh=True)
-            log.info("started worker %d (%s) to replace worker %d", new_id, role, ask.like)
-            self._notify(WorkerJoined(new_id, address, role, ask.like))
-            started.append(self.children[-1])
+            fresh = self.workers.replace_like(ask.like)
+            if fresh is not None:
+                started.append(fresh)
 
     def _renew_zygote(self) -> list[Child]:
         """A rollout's workers are exec'd, so they run the code on disk now; the zygote is started again
@@ -476,50 +291,6 @@ class Launcher:
         if self.zygote is None or self.zygote.proc is None:
             return []
         return [self._spawn_zygote()]
-
-    def _tier_path(self, suffix: str, arena_path: str) -> str:
-        """The node's offload tier file: beside its arena (host, in this launcher's arena folder), or in
-        `cache.offload_dir` (disk; the run folder when unset), removed when the launcher stops."""
-        c = self.cfg.cache
-        if c.offload_tier == "none":
-            return ""
-        if c.offload_tier == "host":
-            return arena_path + ".tier"
-        path = str(Path(c.offload_dir or self.run_dir) / f"kvpool{suffix}-{os.getpid()}.tier")
-        self.shared_files += [path, path + ".json"]
-        return path
-
-    def _start_pool(self, index: int, cfg_json: str, spec: ArenaSpec) -> None:
-        configured = self.cfg.fault_recovery.kv_cache.resolved_ledger_url
-        suffix = "" if index == 0 else f"-node{index}"
-        arena_path = self._arena_path(f"kvpool{suffix}.kv")
-        if configured:
-            ledger = sibling_ledger_url(configured, suffix)
-        else:
-            path = str(self.run_dir / f"ledger{suffix}.db")
-            ledger = sqlite_url(path)
-            self.shared_files += [path, path + "-wal", path + "-shm"]
-        address = f"ipc://{self.run_dir}/kvpool{suffix}"
-        ready = self.run_dir / f"kvpool{suffix}.ready"
-        child = pool_spec(
-            cfg_json,
-            index,
-            address,
-            arena_path,
-            ledger,
-            spec,
-            str(ready),
-            self.cfg.model.resolved_device,
-            self._tier_path(suffix, arena_path),
-        )
-        node = PoolNode(index, address, ledger, child)
-        self.nodes.append(node)
-        self._spawn(child)
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            if self.children[-1].proc.poll() is not None or time.monotonic() > deadline:
-                raise StartupError(f"the {node.name} daemon did not start")
-            time.sleep(0.05)
 
     def _spawn(self, spec: ChildSpec) -> Child:
         # A group of its own: a Ctrl-C at the terminal reaches the launcher alone, which stops the children
@@ -562,16 +333,18 @@ class Launcher:
                 if len(signals) > handled:
                     handled = len(signals)
                     self._drain_router(signals[-1])
-                self._kill_fenced()
+                if self.workers is not None:
+                    self.workers.kill_fenced()
                 if self.zygote is not None:
                     self.zygote.ready()  # a restarted one's word, taken as soon as it comes
                 if self.zygote is not None and time.monotonic() >= self._next_reap:
                     self._next_reap = time.monotonic() + ORPHAN_REAP_S
                     reap_orphans({c.proc.pid for c in self.children})
-                if self.phase is Phase.SERVING:
-                    for fresh in self._respawn_due() + self._requested():
+                if self.phase is Phase.SERVING and self.workers is not None:
+                    for fresh in self.workers.respawn_due() + self._requested():
                         pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
-                soonest = min((t for t, _ in self._respawn_at), default=time.monotonic() + 0.5)
+                due = self.workers.next_respawn() if self.workers is not None else None
+                soonest = due if due is not None else time.monotonic() + 0.5
                 timeout = max(0.0, min(0.5, soonest - time.monotonic()))
                 for fd in wait_sentinels(list(pidfds), timeout=timeout):
                     c = pidfds.pop(fd)  # type: ignore[call-overload]
@@ -592,7 +365,8 @@ class Launcher:
         timeout = self.cfg.server.shutdown_timeout
         if self.phase is Phase.SERVING:
             self.phase = Phase.DRAINING
-            self._respawn_at.clear()
+            if self.workers is not None:
+                self.workers.cancel_respawns()
             log.info("%s: stopping; requests in flight get %.0fs to finish", signal.Signals(signum).name, timeout)
         for c in self.children:
             if c.spec.kind is not ChildKind.ROUTER:
@@ -619,7 +393,8 @@ class Launcher:
                 log.warning("router (pid %d) exited with code %s while stopping", c.proc.pid, c.proc.returncode)
             return None
         if action is OnExit.REPLACE:
-            self._worker_died(c)  # (its standby replacement comes later, from _respawn_due)
+            assert self.workers is not None
+            self.workers.died(c, replace=self.phase is Phase.SERVING)  # (a standby replaces it later)
             return None
         if action is OnExit.RESTART_ROUTER:
             return self._router_died(c)
@@ -646,7 +421,7 @@ class Launcher:
             (ChildKind.POOL, POOL_STOP_S),
         ):
             stopped = [c for c in self.children if c.spec.kind is kind]
-            self._stop_all(stopped, limit)
+            stop_all(stopped, limit)
             if kind is ChildKind.WORKER and self.cluster is not None:
                 # A node leaves once its workers have (their leases released), saying how each ended.
                 for c in stopped if self.cluster.membership is not None else ():
@@ -659,17 +434,3 @@ class Launcher:
             self.run_folder.release()
         if self.arena_folder is not None:
             self.arena_folder.release()  # every arena file of this launcher is in it
-
-    def _stop_all(self, children: list[Child], limit: float) -> None:
-        """SIGTERM each (unless sent already), then wait for each up to `limit` seconds after its SIGTERM;
-        kill those still running."""
-        for c in children:
-            c.terminate()
-        for c in children:
-            since = c.stopping_since if c.stopping_since is not None else time.monotonic()
-            try:
-                c.proc.wait(timeout=max(0.0, since + limit - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %d) did not stop within %.0fs; killing it", c.name, c.proc.pid, limit)
-                c.proc.kill()
-                c.proc.wait()

@@ -6,8 +6,8 @@ into what budget and KV room are left, reusing cached prefix blocks. When a runn
 block and none is free, the lowest-priority, latest-arrived running request not yet scheduled this
 step is preempted: its blocks are freed and it waits to be recomputed (its output tokens are kept).
 
-With an offload tier, a preempted request's named blocks are swapped out to it first (`swap`), and a
-waiting request whose prefix the tier holds waits until those blocks are back (`prefetch`): then its
+With an offload tier, a preempted request's named blocks are swapped out to it first (`Tier.swap_out`), and a
+waiting request whose prefix the tier holds waits until those blocks are back (`Tier.ready`): then its
 admission finds them cached, and only the tail of its last block is recomputed.
 
 While some client is streaming (a request has produced tokens), the prefill chunks of requests that
@@ -30,8 +30,9 @@ drafts never preempt anybody.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from steadfast.config import SchedulerConfig
 from steadfast.wire.worker import Priority
@@ -68,29 +69,46 @@ class ScheduledStep:
 
 # A decoding request and the step budget left → the draft tokens it would verify (none: a plain decode).
 Drafter = Callable[[Request, int], list[int]]
-# A request about to be preempted → how many of its named blocks the offload tier holds now.
-Swapper = Callable[[Request], int]
-# A running request → whether the offload tier has room for all its named blocks now.
-SwapRoom = Callable[[Request], bool]
 NOBODY = 3  # an `offload_from` no priority reaches
-# A waiting request, its arena prefix hits, whether others run → may it be admitted now (False: its KV
-# is on its way back from the offload tier, or waits for room to come back).
-Prefetcher = Callable[[Request, list[int], bool], bool]
+
+
+class Tier(Protocol):
+    """The offload tier as the scheduler uses it (`worker/kv/offload.py`)."""
+
+    def swap_out(self, request: Request) -> int:
+        """A request about to be preempted → how many of its named blocks the tier holds now."""
+        ...
+
+    def has_room(self, request: Request) -> bool:
+        """A running request → whether the tier has room for all its named blocks now."""
+        ...
+
+    def ready(self, request: Request, hits: Sequence[int], others_run: bool) -> bool:
+        """A waiting request, its arena prefix hits, whether others run → may it be admitted now (False:
+        its KV is on its way back from the tier, or waits for room to come back)."""
+        ...
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        blocks: BlockManager,
+        drafter: Drafter | None = None,
+        tier: Tier | None = None,
+        cost: StepCost | None = None,
+    ) -> None:
+        """`tier`: the offload tier preempted and L3's requests swap out to (None: they recompute);
+        `cost`: the step-cost model the budget is planned with (None: the token budget alone)."""
         self.cfg = cfg
         self.blocks = blocks
         self.drafter = drafter
-        self.cost: StepCost | None = None  # set by the engine, which times the steps
-        self.swap: Swapper | None = None
-        self.swap_room: SwapRoom | None = None
+        self.tier = tier
+        self.cost = cost
         self.offload_from = NOBODY  # the ladder's L3: priorities swapped out above `kv_target`
         self.kv_target = 1.0
         self.step_target_ms = 0.0  # the ladder's step target (0: cfg.decode_step_target_ms)
         self.ladder_swaps = 0  # running requests swapped out by the ladder
-        self.prefetch: Prefetcher | None = None
         self.swap_preemptions = 0  # preempted with KV kept in the offload tier
         self.recompute_preemptions = 0  # preempted with nothing kept there
         self.recomputed_tokens = 0  # tokens whose KV a preempted request had, computed again
@@ -134,7 +152,7 @@ class Scheduler:
         return request
 
     def _preempt(self, request: Request) -> None:
-        if self.swap is not None and self.swap(request):
+        if self.tier is not None and self.tier.swap_out(request):
             self.swap_preemptions += 1
         else:
             self.recompute_preemptions += 1
@@ -151,13 +169,13 @@ class Scheduler:
     def _shed(self, step: ScheduledStep) -> None:
         """L3: swap running requests of `offload_from` priority or lower out to the tier, lowest priority
         and latest first, until KV use is back at the target."""
-        if self.swap is None or self.swap_room is None or self.offload_from >= NOBODY:
+        if self.tier is None or self.offload_from >= NOBODY:
             return
         victims = [r for r in self.running if r.priority >= self.offload_from and r.status is Status.RUNNING]
         for victim in sorted(victims, key=lambda r: r.sort_key, reverse=True):
             if not self._over_target():
                 return
-            if self.swap_room(victim):
+            if self.tier.has_room(victim):
                 self._preempt(victim)
                 step.preempted.append(victim)
                 self.ladder_swaps += 1
@@ -258,7 +276,7 @@ class Scheduler:
                 continue
             own = request.num_preemptions > 0 or request.recovery is not None
             hits = self.blocks.match_prefix(request.all_ids, own)
-            if self.prefetch is not None and not self.prefetch(request, hits, bool(self.running)):
+            if self.tier is not None and not self.tier.ready(request, hits, bool(self.running)):
                 deferred.append(heapq.heappop(self._waiting))
                 continue
             cached = len(hits) * self.blocks.block_size
