@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import ServerProcess

@@ -15,7 +15,7 @@ import pytest
 from steadfast.config import Config, ConfigError
 from steadfast.kv.integrity import check_node
 from steadfast.kv.pool.client import PoolClient
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from steadfast.wire.worker import AddRequest, RequestOutput, Resume, SamplingParams
 from steadfast.worker.loaded import load_model
 from tests.chaos.node import Node

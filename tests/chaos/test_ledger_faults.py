@@ -19,7 +19,7 @@ from steadfast.config import Config
 from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger.history import check_history, load_journal
 from steadfast.kv.ledger.interface import BlockState, LeaseState
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.chaos.node import Node, tokens_of
 from tests.conftest import wait_until

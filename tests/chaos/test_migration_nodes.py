@@ -35,7 +35,7 @@ from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger.interface import BlockState
 from steadfast.kv.ledger.open import open_ledger, sqlite_url
 from steadfast.kv.pool.client import PoolClient
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from tests.conftest import wait_until
 from tests.etcd_cluster import EtcdCluster
 from tests.integration.server import serving

@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from tests.chaos.test_crash_recovery import (
     Stream,
     admin,

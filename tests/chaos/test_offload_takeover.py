@@ -23,7 +23,7 @@ from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger.interface import BlockState
 from steadfast.kv.ledger.open import open_ledger
 from steadfast.kv.pool.client import PoolClient
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from tests.chaos.test_crash_recovery import Stream, admin, assert_exact_once, reference
 from tests.conftest import PROMPTS, wait_until
 from tests.integration.server import ServerProcess

@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from steadfast.kv.pool.daemon import process_gone
 from steadfast.ops.harness.chaos import children_named
+from steadfast.util.proc import process_gone
 from tests.chaos.test_crash_recovery import chat_body, reference, request_specs
 from tests.conftest import wait_until
 from tests.integration.server import ServerProcess

@@ -18,7 +18,7 @@ from steadfast.kv.integrity import check_node
 from steadfast.kv.ledger.history import check_history, load_journal
 from steadfast.kv.ledger.interface import LeaseState
 from steadfast.kv.pool.client import PoolClient
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from steadfast.wire.worker import AddRequest, RequestOutput, Resume, SamplingParams
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS

@@ -19,7 +19,7 @@ import pytest
 from steadfast.config import Config
 from steadfast.kv.integrity import check_node
 from steadfast.kv.pool.client import PoolClient
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from steadfast.wire.worker import AddRequest, Resume, SamplingParams
 from tests.chaos.node import Node
 from tests.conftest import PROMPTS, wait_until

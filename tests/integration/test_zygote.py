@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from steadfast.config import Config
-from steadfast.kv.pool.daemon import process_gone
+from steadfast.util.proc import process_gone
 from steadfast.wire.codec import encode
 from steadfast.wire.zygote import WorkerForked, decode_from_zygote
 from tests.chaos.test_crash_recovery import admin, small_server_config

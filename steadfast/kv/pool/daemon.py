@@ -40,27 +40,12 @@ from steadfast.kv.ledger.interface import (
 from steadfast.kv.ledger.open import open_ledger
 from steadfast.kv.pool.client import Throttled
 from steadfast.util.log import about, setup_logging
-from steadfast.util.proc import die_with_parent
+from steadfast.util.proc import die_with_parent, process_gone
 from steadfast.wire.codec import encode
 from steadfast.wire.pool import PoolAttach, PoolFence, PoolGrant, PoolRegister, PoolReply, ToPool, decode_to_pool
 
 log = logging.getLogger("steadfast.kvpool")
 _junk = Throttled(log)
-
-
-def process_gone(pid: int) -> bool:
-    """True when `pid` no longer runs on this node (a zombie awaiting its parent counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 class KVPool:

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Protocol
 
+from steadfast.util.proc import process_gone
 from steadfast.wire.codec import encode
 from steadfast.wire.zygote import ForkWorker, WorkerForked, ZygoteReady, decode_from_zygote
 
@@ -65,7 +66,7 @@ class ForkedWorker:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:  # not ours after all (no subreaper): its code cannot be known
-                self.returncode = -1 if _gone(self.pid) else None
+                self.returncode = -1 if process_gone(self.pid) else None
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
@@ -91,16 +92,6 @@ class ForkedWorker:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def reap_orphans(known: set[int]) -> int:
