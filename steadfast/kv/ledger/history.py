@@ -131,6 +131,17 @@ class RecordingLedger:
         return call
 
 
+def journal_stores(folder: str | Path) -> list[str]:
+    """The ledgers (their URLs) whose calls are journaled in `folder`: each has a history of its own."""
+    stores = set()
+    for path in Path(folder).glob("*.jsonl"):
+        with open(path, "rb") as f:
+            first = f.readline()
+        if first.strip():
+            stores.add(msgspec.json.decode(first).get("store", ""))
+    return sorted(stores)
+
+
 def load_journal(folder: str | Path, store: str | None = None) -> list[Op]:
     """Every process's recorded calls in `folder` (those on the ledger `store` only, when given), as one
     history in the store's order."""

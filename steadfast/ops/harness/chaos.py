@@ -59,6 +59,8 @@ class Stream:
     error: str = ""
     reconnects: int = 0
     refusals: int = 0  # 429/503 at admission, each waited out (Retry-After) and sent again
+    accepted: bool = False  # a 200 came: the service took it
+    request_id: str = ""  # the service's id for it (its chunks'), once accepted
 
     @property
     def longest_gap(self) -> float:
@@ -66,8 +68,7 @@ class Stream:
 
 
 def stream(url: str, model: str, prompt: str, tokens: int, priority: str = "normal", client: int = 0) -> Stream:
-    """A chat completion streamed to its end, reconnecting with Last-Event-ID whenever it breaks."""
-    s = Stream(prompt, client)
+    """A greedy chat completion of `prompt` streamed to its end (`stream_body`)."""
     body = {
         "priority": priority,
         "model": model,
@@ -75,10 +76,15 @@ def stream(url: str, model: str, prompt: str, tokens: int, priority: str = "norm
         "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
     }
-    last, deadline = None, time.monotonic() + STREAM_DEADLINE_S
+    return stream_body(url, body, Stream(prompt, client))
+
+
+def stream_body(url: str, body: dict[str, Any], s: Stream, deadline_s: float = STREAM_DEADLINE_S) -> Stream:
+    """The chat completion `body` streamed to its end into `s`, reconnecting with Last-Event-ID whenever
+    it breaks and waiting out admission refusals (Retry-After)."""
+    body = body | {"stream": True, "return_token_ids": True}
+    last, deadline = None, time.monotonic() + deadline_s
     while s.finish is None and not s.error and time.monotonic() < deadline:
         headers = {"Last-Event-ID": last} if last else {}
         pending = None
@@ -95,11 +101,13 @@ def stream(url: str, model: str, prompt: str, tokens: int, priority: str = "norm
                         s.error = f"{r.status_code}: {r.text[:200]}"
                         break
                     raise httpx.TransportError(f"status {r.status_code}")
+                s.accepted = True
                 for line in r.iter_lines():
                     if line.startswith("id: "):
                         pending = line[4:]
                     elif line.startswith("data: {"):
                         chunk = json.loads(line[6:])
+                        s.request_id = s.request_id or chunk.get("id", "")
                         if "error" in chunk:
                             s.error = str(chunk["error"].get("message"))[:200]
                             break
@@ -114,7 +122,7 @@ def stream(url: str, model: str, prompt: str, tokens: int, priority: str = "norm
         if s.finish is None and not s.error:
             s.reconnects += 1
     if s.finish is None and not s.error:
-        s.error = f"no end within {STREAM_DEADLINE_S:.0f}s"
+        s.error = f"no end within {deadline_s:.0f}s"
     return s
 
 

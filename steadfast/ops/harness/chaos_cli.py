@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +20,7 @@ from rich.table import Table
 
 from steadfast.ops.harness.chaos import Rehearsal, Scenario, compare
 from steadfast.ops.harness.chaos_faults import FAULTS
+from steadfast.ops.harness.served import Served
 
 COMMON = (
     "streams",
@@ -39,55 +36,7 @@ COMMON = (
     "migrations",
 )
 VERDICT = ("fault_happened", "passed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
-    """`steadfast serve` as a child in its own session, its output in a file."""
-
-    def __init__(self, folder: Path, config: str, model: str, port: int = 0) -> None:
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = folder / "server.log"
-        # The KV wire's fault drill: its senders read this file at the start of every transfer (empty:
-        # no fault); a config's own `transfer.faults_file` wins over it.
-        self.drill = folder / "transfer-faults"
-        self.drill.write_text("")
-        cmd = [sys.executable, "-m", "steadfast.ops.cli", "serve", "--port", str(self.port)]
-        cmd += ["--config", config] if config else []
-        cmd += ["--model", model] if model else []
-        env = os.environ | {"STEADFAST_TRANSFER_FAULTS_FILE": str(self.drill)}
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
-            )  # fmt: skip
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited (code {self.proc.returncode}); see {self.log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"the server was not ready in {timeout_s:.0f}s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+SOAK = "soak"
 
 
 def _records(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -148,6 +97,10 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     folder = Path(tempfile.mkdtemp(prefix="steadfast-chaos-"))
     signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the server (its own session) is stopped too
     try:
+        if args.scenario == SOAK:
+            from steadfast.ops.harness.soak_cli import soak  # (torch: the expected outputs are computed here)
+
+            return soak(args, folder)
         report = rehearse(args, folder)
     except (RuntimeError, httpx.HTTPError) as exc:
         print(f"steadfast chaos: {exc}", file=sys.stderr)
@@ -181,7 +134,7 @@ def show(report: dict[str, Any], json_path: str | None) -> None:
 
 def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("chaos", help="rehearse a fault under load and check every stream token by token")
-    p.add_argument("scenario", choices=[s.value for s in Scenario])
+    p.add_argument("scenario", choices=[s.value for s in Scenario] + [SOAK], help="a fault, or soak: all of them")
     p.add_argument("--config", default="", help="the server's YAML config (default: the defaults)")
     p.add_argument("--model", default="", help="a GGUF to serve (default: SmolLM2-135M-Instruct)")
     p.add_argument("--streams", type=int, default=6, help="greedy streams at once (default %(default)s)")
@@ -198,4 +151,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument(
         "--linger", type=float, default=0.0, help="keep the server up this long after the report (its dashboard)"
     )
+    soak = p.add_argument_group("soak", "hours of mixed traffic under a seeded random schedule of faults")
+    soak.add_argument("--seconds", type=float, default=600.0, help="how long (default %(default)s)")
+    soak.add_argument("--seed", type=int, default=1, help="the schedule's seed: the same seed, the same faults")
+    soak.add_argument("--rate", type=float, default=2.0, help="requests a second, on average (default %(default)s)")
+    soak.add_argument("--fault-every", type=float, default=6.0, help="mean seconds between faults")
+    soak.add_argument("--kinds", default="", help="fault kinds, comma-separated (default: all the deployment has)")
+    soak.add_argument("--png", metavar="FILE", help="write the timeline of faults and gaps as a PNG")
     p.set_defaults(func=cmd_chaos)

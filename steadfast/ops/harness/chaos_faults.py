@@ -192,7 +192,7 @@ class SlowWorker(Fault):
         return {"stopped_s": round(self.stopped_s, 1), "top_health_score": round(self.top_score, 2)}
 
 
-def _counter(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     """One counter's samples from a Prometheus text page, by their labels."""
     out: dict[tuple[tuple[str, str], ...], float] = {}
     for family in text_string_to_metric_families(text):
@@ -218,13 +218,13 @@ class BreakTransfer(Fault):
 
     def _wire(self) -> dict[str, float]:
         text = httpx.get(self.r.url + "/metrics", timeout=10).text
-        transfers = _counter(text, "steadfast_kv_transfers_total")
+        transfers = metric_samples(text, "steadfast_kv_transfers_total")
         done = lambda path: sum(v for k, v in transfers.items() if dict(k) == {"path": path, "outcome": "done"})  # noqa: E731
         return {
             "primary": done("primary"),
             "alternate": done("alternate"),
             "recomputed": sum(v for k, v in transfers.items() if dict(k).get("outcome") == "recompute"),
-            "retries": sum(_counter(text, "steadfast_kv_transfer_retries_total").values()),
+            "retries": sum(metric_samples(text, "steadfast_kv_transfer_retries_total").values()),
         }
 
     def strike(self) -> str:

@@ -1,0 +1,133 @@
+"""The soak's checker: every request accounted for (exact, refused at admission, failed), every token
+lost, repeated or changed counted, the clients' gaps by the fault that was striking when they happened,
+every fault's proof, the ledger's recorded history and each node's ledger against its arena.
+
+Pure over what the run recorded, except `node_problems` (it attaches to the pools to read them).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections import defaultdict
+from typing import Any
+
+from steadfast.kv.arena.arena import map_arena
+from steadfast.kv.integrity import check_node
+from steadfast.kv.ledger.open import open_ledger
+from steadfast.kv.pool.client import PoolClient
+from steadfast.ops.harness.loadgen import percentile
+from steadfast.ops.harness.soak import Sent
+from steadfast.ops.harness.soak_faults import Struck
+
+FAULT_WINDOW_S = 15.0  # a gap that overlaps this long after a strike is that fault's
+
+
+def diff(want: list[int], got: list[int]) -> dict[str, int]:
+    """Tokens lost (expected, never received), repeated (received beyond what was expected) and changed."""
+    out = {"lost": 0, "repeated": 0, "changed": 0}
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, want, got, autojunk=False).get_opcodes():
+        if op == "delete":
+            out["lost"] += i2 - i1
+        elif op == "insert":
+            out["repeated"] += j2 - j1
+        elif op == "replace":
+            out["changed"] += min(i2 - i1, j2 - j1)
+            out["lost"] += max(0, (i2 - i1) - (j2 - j1))
+            out["repeated"] += max(0, (j2 - j1) - (i2 - i1))
+    return out
+
+
+def outcome(sent: Sent, want: list[int]) -> str:
+    s = sent.stream
+    if not s.accepted:
+        return "refused"  # never taken by the service: waited out until the client's deadline
+    if s.error or s.finish != "length" or s.tokens != want:
+        return "failed"
+    return "exact"
+
+
+def gaps_by_fault(sent: list[Sent], struck: list[Struck]) -> dict[str, list[float]]:
+    """Per fault kind, each stream's longest gap between two tokens that overlaps the `FAULT_WINDOW_S`
+    after a strike of that kind (`quiet`: the longest gap of streams no fault touched), in ms."""
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for x in sent:
+        arrivals = x.stream.arrivals
+        pairs = list(zip(arrivals, arrivals[1:], strict=False))
+        if not pairs:
+            continue
+        touched = False
+        for kind in {f.kind for f in struck}:
+            windows = [(f.at, f.at + FAULT_WINDOW_S) for f in struck if f.kind == kind]
+            near = [b - a for a, b in pairs if any(a < end and b > start for start, end in windows)]
+            if near:
+                by_kind[kind].append(1000 * max(near))
+                touched = True
+        if not touched:
+            by_kind["quiet"].append(1000 * max(b - a for a, b in pairs))
+    return dict(by_kind)
+
+
+def node_problems(pool_addresses: list[str]) -> list[str]:
+    """`check_node` on every node: its ledger against itself and its arena's bytes."""
+    problems = []
+    for address in pool_addresses:
+        reply = PoolClient(address, "soak-inspector").attach(os.getpid())
+        problems += [f"{address}: {p}" for p in check_node(open_ledger(reply.ledger_url), map_arena(reply))]
+    return problems
+
+
+def report(
+    sent: list[Sent],
+    expected: dict[int, list[int]],
+    struck: list[Struck],
+    history_problems: list[str],
+    node: list[str],
+    leaks: list[str],
+) -> dict[str, Any]:
+    outcomes = {"exact": 0, "refused": 0, "failed": 0}
+    tokens = {"lost": 0, "repeated": 0, "changed": 0}
+    failures = []
+    for x in sent:
+        want = expected[x.ask.key]
+        o = outcome(x, want)
+        outcomes[o] += 1
+        if o == "failed":
+            d = diff(want, x.stream.tokens)
+            for k in tokens:
+                tokens[k] += d[k]
+            failures.append({"ask": x.ask.key, "error": x.stream.error, "finish": x.stream.finish} | d)
+    kinds: dict[str, dict[str, int]] = defaultdict(lambda: {"struck": 0, "proven": 0})
+    for f in struck:
+        kinds[f.kind]["struck"] += 1
+        kinds[f.kind]["proven"] += f.proven
+    gaps = {
+        kind: {
+            "streams": len(v),
+            "p50_ms": round(percentile(v, 50), 1),
+            "p99_ms": round(percentile(v, 99), 1),
+            "max_ms": round(max(v), 1),
+        }
+        for kind, v in sorted(gaps_by_fault(sent, struck).items())
+    }
+    proven = sum(f.proven for f in struck)
+    return {
+        "requests": len(sent),
+        **outcomes,
+        "refusals_waited_out": sum(x.stream.refusals for x in sent),
+        "reconnects": sum(x.stream.reconnects for x in sent),
+        "tokens": tokens,
+        "faults": len(struck),
+        "faults_proven": proven,
+        "fault_kinds": dict(sorted(kinds.items())),
+        "gaps": gaps,
+        "history_problems": history_problems[:20],
+        "node_problems": node[:20],
+        "leaks": leaks,
+        "failures": failures[:20],
+        "passed": outcomes["failed"] == 0
+        and not any(tokens.values())
+        and not history_problems
+        and not node
+        and not leaks,
+    }
