@@ -48,22 +48,24 @@ def outcome(sent: Sent, want: list[int]) -> str:
 
 
 def gaps_by_fault(sent: list[Sent], struck: list[Struck]) -> dict[str, list[float]]:
-    """Per fault kind, each stream's longest gap between two tokens that overlaps the `FAULT_WINDOW_S`
-    after a strike of that kind (`quiet`: the longest gap of streams no fault touched), in ms."""
+    """Per fault kind, each stream's longest gap between two tokens put down to a fault of that kind: the
+    last one to strike before the gap ended and at most `FAULT_WINDOW_S` before it began (`quiet`: the
+    longest gap of each stream no fault touched), in ms."""
+    order = sorted(struck, key=lambda f: f.at)
     by_kind: dict[str, list[float]] = defaultdict(list)
     for x in sent:
         arrivals = x.stream.arrivals
         pairs = list(zip(arrivals, arrivals[1:], strict=False))
         if not pairs:
             continue
-        touched = False
-        for kind in {f.kind for f in struck}:
-            windows = [(f.at, f.at + FAULT_WINDOW_S) for f in struck if f.kind == kind]
-            near = [b - a for a, b in pairs if any(a < end and b > start for start, end in windows)]
-            if near:
-                by_kind[kind].append(1000 * max(near))
-                touched = True
-        if not touched:
+        longest: dict[str, float] = {}
+        for a, b in pairs:
+            cause = next((f for f in reversed(order) if a - FAULT_WINDOW_S < f.at < b), None)
+            if cause is not None:
+                longest[cause.kind] = max(longest.get(cause.kind, 0.0), b - a)
+        for kind, gap in longest.items():
+            by_kind[kind].append(1000 * gap)
+        if not longest:
             by_kind["quiet"].append(1000 * max(b - a for a, b in pairs))
     return dict(by_kind)
 
