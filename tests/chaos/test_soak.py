@@ -34,7 +34,8 @@ def test_a_short_soak_under_overlapping_faults_loses_nothing(tmp_path, small_mod
     cfg = load_config(str(path), {"model": {"path": small_model_path}})
     r = run_soak(cfg, plan, tmp_path, str(path), small_model_path, small_deterministic_model)
     summary = {k: v for k, v in r.items() if k not in ("_plot", "timeline")}
-    assert r["failed"] == 0 and r["failures"] == [], summary
+    timeline = [f"{f['at_s']}s {f['kind']}: {f['what']} {f['error']}" for f in r["timeline"]]
+    assert r["failed"] == 0 and r["failures"] == [], (r["failures"], timeline)
     assert r["tokens"] == {"lost": 0, "repeated": 0, "changed": 0}, summary
     assert r["exact"] + r["refused"] == r["requests"] > 50
     assert r["refused"] <= 0.05 * r["requests"], summary

@@ -98,7 +98,22 @@ def report(
             d = diff(want, x.stream.tokens)
             for k in tokens:
                 tokens[k] += d[k]
-            failures.append({"ask": x.ask.key, "error": x.stream.error, "finish": x.stream.finish} | d)
+            got = x.stream.tokens
+            at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+            failures.append(
+                {
+                    "ask": x.ask.key,
+                    "kind": x.ask.kind,
+                    "request": x.stream.request_id,
+                    "error": x.stream.error,
+                    "finish": x.stream.finish,
+                    "tokens": f"{len(got)} of {len(want)}, first difference at {at}",
+                    "reconnects": x.stream.reconnects,
+                    "refusals": x.stream.refusals,
+                    "sent_at_monotonic": round(x.at, 2),
+                }
+                | d
+            )
     kinds: dict[str, dict[str, int]] = defaultdict(lambda: {"struck": 0, "proven": 0})
     for f in struck:
         kinds[f.kind]["struck"] += 1
