@@ -160,9 +160,10 @@ class Engine:
         request.recovery = recover(mode, self.sync, self.blocks, request, self.offload)
         request.resume_tokens = request.num_tokens
         log.info(
-            "took over %s from worker %d at token %d: %s, %d tokens of KV adopted (%.0f ms)",
+            "took over %s from %s at token %d: %s, %d tokens of KV adopted (%.0f ms)",
             request.request_id,
-            resume.from_worker,
+            # (-1: resumed from the ledger's checkpoint by a restarted router, which never knew the worker)
+            f"worker {resume.from_worker}" if resume.from_worker >= 0 else "its checkpoint",
             len(done),
             request.recovery[0],
             request.recovery[1],
