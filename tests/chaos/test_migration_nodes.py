@@ -14,7 +14,7 @@ hosts; where etcd is not installed, in SQLite files (the reason is printed).
 
 The fault drills are the KV wire's own (`transfer.faults_file`, read at the start of every move; the
 receiver's `drop_acks` and `hold_s` at every session it opens); a migration is slowed with `delay_s` so a
-kill lands while its KV is on the wire.
+kill lands while its KV is on the wire, or so its request outgrows the blocks reserved for it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def want(small_deterministic_config, small_deterministic_model) -> dict[int, lis
 
 pytestmark = pytest.mark.chaos
 
-MIGRATION_TIMEOUT_S = 3
+MIGRATION_TIMEOUT_S = 4  # the slow-copy drill's move commits in about 2 s
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +88,12 @@ def workers(server) -> list[dict]:
     return httpx.get(server.url + "/admin/workers").json()
 
 
-def run_with_migration(server, i: int, fault: str, to_role: str, kill_role: str = "") -> tuple[list[int], dict]:
-    """Stream `body(i)`; once it decodes on its decode worker, arm `fault`, migrate it to the `to_role`
-    worker (the other node) and, with `kill_role`, kill -9 that worker 0.4 s later. Returns the client's
-    tokens and the migrate call's answer."""
+def run_with_migration(
+    server, i: int, fault: str, to_role: str, kill_role: str = "", at: int = 2
+) -> tuple[list[int], dict]:
+    """Stream `body(i)`; once its client has `at` tokens (it decodes on its decode worker), arm `fault`,
+    migrate it to the `to_role` worker (the other node) and, with `kill_role`, kill -9 that worker 0.4 s
+    later. Returns the client's tokens and the migrate call's answer."""
     answer: dict = {}
 
     def move(rid: str) -> None:
@@ -103,7 +105,7 @@ def run_with_migration(server, i: int, fault: str, to_role: str, kill_role: str 
         answer.update(status=r.status_code, body=r.json())
         server.faults.write_text("")
 
-    got, finish = stream_moved(server, i, 2, move)
+    got, finish = stream_moved(server, i, at, move)
     assert finish == "length"
     return got, answer
 
@@ -170,12 +172,13 @@ def test_every_frame_lost_on_every_path_leaves_the_request_running_where_it_was(
 
 
 def test_a_copy_slower_than_the_decode_holds_the_request_and_commits(server, want):
-    """Every frame 60 ms late (a slow link, a busy machine): the request decodes faster than its KV is
-    copied and would outgrow the blocks reserved at the destination; it is held at the reservation until
+    """Every frame 250 ms late (a slow link, a busy machine), moved at its 24th token (full blocks to copy): its first
+    round (4 frames, 1 s) lands after the request has decoded past its 2 blocks of slack at any pace under
+    about 20 ms a token, and it would outgrow the blocks reserved there; it is held at the reservation until
     the rounds land, then committed — a longer pause, not a failed move."""
     held = ": held at the blocks reserved"
     before = server.output().count(held)
-    got, answer = run_with_migration(server, 0, "delay_s=0.06,path=*", "mixed")
+    got, answer = run_with_migration(server, 0, "delay_s=0.25,path=*", "mixed", at=24)
     assert got == want[0]
     assert answer["status"] == 200, answer
     record = answer["body"]
