@@ -45,7 +45,7 @@ def want(small_deterministic_config, small_deterministic_model) -> dict[int, lis
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, small_model_path):
+def deployment(tmp_path_factory, small_model_path, small_deterministic_model):  # skipped where the mode cannot run
     if shutil.which("etcd") is None:
         pytest.skip("etcd (Debian etcd-server) is not installed")
     tmp = tmp_path_factory.mktemp("node-loss")
@@ -160,11 +160,13 @@ def test_the_router_part_killed_mid_stream_its_clients_resume_on_the_restarted_o
     of its stream, every token once, as an undisturbed run's."""
     model = httpx.get(deployment.url + "/v1/models").json()["data"][0]["id"]
     spec = request_specs()[1]  # seeded sampling
-    undisturbed = ResumingStream(deployment.url, model, spec)
+    # Long enough to still run when the kill lands: 64 tokens were all sent first once beside two busy loops.
+    tokens = 384
+    undisturbed = ResumingStream(deployment.url, model, spec, max_tokens=tokens)
     undisturbed.start()
     undisturbed.join(120)
     (router,) = children_named(deployment.parts["router"].pid, "steadfast.control.main")  # (netns exec execs)
-    client = ResumingStream(deployment.url, model, spec)
+    client = ResumingStream(deployment.url, model, spec, max_tokens=tokens)
     client.start()
     deployment.wait(lambda: len(client.tokens) >= 16, 60, "16 tokens")
     os.kill(router, signal.SIGKILL)

@@ -40,9 +40,10 @@ degradation: {enabled: false}  # its streams must all start (the ladder may refu
 class ResumingStream(threading.Thread):
     """A client that reconnects with Last-Event-ID whenever its stream breaks (or it drops it)."""
 
-    def __init__(self, url: str, model: str, spec: dict, drop_at: int = 0) -> None:
+    def __init__(self, url: str, model: str, spec: dict, drop_at: int = 0, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
         self.url, self.model, self.spec, self.drop_at = url, model, spec, drop_at
+        self.max_tokens = max_tokens
         self.tokens: list[int] = []
         self.counts: list[int] = []  # tokens held after each event, from the event ids
         self.finish: str | None = None
@@ -50,7 +51,7 @@ class ResumingStream(threading.Thread):
         self.reconnects = 0
 
     def run(self) -> None:
-        body = chat_body(self.model, self.spec, MAX_TOKENS)
+        body = chat_body(self.model, self.spec, self.max_tokens)
         last = None
         deadline = time.monotonic() + 240
         while self.finish is None and time.monotonic() < deadline:
