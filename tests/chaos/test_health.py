@@ -241,15 +241,16 @@ def test_a_worker_slowing_down_is_drained_of_low_priority_work_and_a_noisy_one_i
         results: list = []
         jobs = list(zip(prompts, [tokens] * 2, priorities, strict=True))
         pid = worker_pid(server.url, 1)
-        # A noisy worker is noisy from the start (its baseline is its noise); a slowing one starts calm.
-        cycle = DutyCycle(pid, jitter) if profile == "jitter" else None
         runner = threading.Thread(target=lambda: results.extend(run_streams(server.url, jobs)))
         runner.start()
         wait_until(lambda: sum(owners(server.url).values()) == 2, 30, "two streams in flight")
+        # Only once both are placed: a worker already noisy looked loaded beside two busy loops and got
+        # neither stream. A noisy one is noisy from its first steps (its baseline is its noise); a slowing
+        # one starts calm.
+        cycle = DutyCycle(pid, jitter if profile == "jitter" else growing)
         decisions = httpx.get(server.url + "/admin/routing").json()["decisions"]
         on_one = {d["request"] for d in decisions if d["chosen"] == 1}
         log = HealthLog(server.url)
-        cycle = cycle or DutyCycle(pid, growing)
         try:
             runner.join(timeout=240)
         finally:
