@@ -39,12 +39,14 @@ KINDS = (
     "migrate",  # a live migration of a running request, chosen by the policy's destination
     "slow-worker",  # a worker stopped half of every 100 ms for a few seconds
     "overload",  # a burst of low-priority requests beyond what the service admits
+    "rollout",  # every worker replaced in turn: each drained onto the others under load, then retired
 )
 KV_LINK_S = 3.0
 KV_LINK_MAX_S = 12.0
 MIGRATE_TRY_S = 10.0
 SLOW_S = 3.0
 BURST = 40
+ROLLOUT_MAX_S = 180.0  # a rollout's end waited for (one worker: its replacement's start, then its drain)
 ROUTER_BACK_S = 30.0  # how long an admin call waits for a router another fault killed
 
 
@@ -264,3 +266,21 @@ class Nemesis:
         refused = sum(1 for x in samples if x.status in (429, 503))
         s.what = f"{BURST} low-priority requests at once: {refused} refused"
         s.proof = lambda: len(samples) == BURST
+
+    def _rollout(self, s: Struck) -> None:
+        """A drain under load with the fleet kept whole: a drain alone retires its worker for good, and an
+        hour's soak would run out of workers."""
+        r = self._call("POST", "/admin/rollout", json={})
+        if r.status_code not in (202, 409):  # 409: an earlier fault's rollout runs: this one follows it
+            raise RuntimeError(f"rollout refused ({r.status_code}): {r.text[:200]}")
+        deadline = time.monotonic() + ROLLOUT_MAX_S
+        view = self._call("GET", "/admin/rollout").json()
+        while view["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(1.0)
+            view = self._call("GET", "/admin/rollout").json()
+        retired = sum(1 for step in view["steps"] if step["step"] == "retired")
+        why = f": {view['error']}" if view["error"] else ""
+        joined = "" if r.status_code == 202 else " (one already running)"
+        replaced = f"{retired} of {len(view['workers'])} workers drained and replaced"
+        s.what = f"rollout{joined} {view['state']}: {replaced}{why}"
+        s.proof = lambda: retired >= 1
