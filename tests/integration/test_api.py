@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from steadfast.control.fleet.health import Standing
 from tests.integration.server import serving
 
 pytestmark = pytest.mark.integration
@@ -318,7 +319,10 @@ def test_the_dashboard_serves_its_page_and_the_live_picture(server, client, mode
     assert normal["target_ms"]["ttft"]["p99"] > 0 and normal["observed_ms"]["ttft_p99"] > 0
     assert any(p["tokens_per_s"] > 0 for p in s["series"]), s["series"][-5:]
     assert {w["id"] for w in s["workers"]} == {w["id"] for w in workers(server) if w["state"] != "dead"}
-    assert all(0 <= w["kv_use"] <= 1 and w["standing"] == "healthy" for w in s["workers"])
+    # Standing is the health monitor's judgement, which the suite's own bursts on this shared server may
+    # move (a queue that grew is a delta); the dashboard shows that judgement, whatever it is.
+    standings = {x.value for x in Standing}
+    assert all(0 <= w["kv_use"] <= 1 and w["standing"] in standings for w in s["workers"]), s["workers"]
     times = [e["at"] for e in s["events"]]
     assert times == sorted(times) and all(t <= s["now"] for t in times)
     # every level change of the ladder's history is on the timeline
