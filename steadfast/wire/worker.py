@@ -1,8 +1,8 @@
 """Messages between the router and workers, and the supervisor's notices to the router: msgspec structs,
 tagged, array-like; no pickle on the wire.
 
-Router → worker: AddRequest, AbortRequest, Promote, Migrate, Retire, Degrade. Worker → router: StepOutputs,
-WorkerStatus. Supervisor → router (on the same socket as workers' outputs): WorkerDied, WorkerJoined.
+Router → worker: AddRequest, AbortRequest, Promote, Migrate, DestinationLost, Retire, Degrade. Worker → router:
+StepOutputs, WorkerStatus. Supervisor → router (on the same socket as workers' outputs): WorkerDied, WorkerJoined.
 """
 
 from __future__ import annotations
@@ -153,6 +153,14 @@ class Migrate(msgspec.Struct, tag="migrate", array_like=True, omit_defaults=True
     max_stages: int = 4
     final_stage_blocks: int = 2
     timeout_s: float = 10.0  # not committed by then: given up, and it runs on here
+
+
+class DestinationLost(msgspec.Struct, tag="lost", array_like=True):
+    """Worker `worker_id` died: every move of ours to it (a prefill's KV transfer, a live migration) is
+    given up now, not after its session's retries (2 + 4 + 8 + 16 s a path at the default timeout). A
+    transfer then fails to its fallback (recomputed elsewhere), a migration's request runs on here."""
+
+    worker_id: int
 
 
 class Retire(msgspec.Struct, tag="retire", array_like=True):
@@ -315,7 +323,7 @@ def decode_to_supervisor(data: bytes) -> StartWorker:
     return _to_supervisor.decode(data)
 
 
-ToWorker = AddRequest | AbortRequest | Promote | Migrate | Retire | Degrade | Ping
+ToWorker = AddRequest | AbortRequest | Promote | Migrate | DestinationLost | Retire | Degrade | Ping
 FromWorker = StepOutputs | WorkerStatus | WorkerDied | WorkerJoined | CacheEvents
 
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

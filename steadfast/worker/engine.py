@@ -209,6 +209,10 @@ class Engine:
             )
         self._pending.append(out)
 
+    def destination_lost(self, worker_id: int) -> None:
+        """Worker `worker_id` died: our KV moves to it are given up (answers come with `collect_moves`)."""
+        self.kv.destination_lost(worker_id)
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = Status.FINISHED  # (before the ledger hears of it: its row says finished)
         request.finish_reason = reason

@@ -17,6 +17,7 @@ from steadfast.wire.worker import (
     AbortRequest,
     AddRequest,
     Degrade,
+    DestinationLost,
     FinishReason,
     Migrate,
     Ping,
@@ -161,6 +162,8 @@ class WorkerLoop:
             # client waiting) for a whole step of the others.
             if answers := engine.take_pending():
                 self.outbox.send(StepOutputs(self.worker_id, answers))
+        elif isinstance(msg, DestinationLost):
+            engine.destination_lost(msg.worker_id)
         elif isinstance(msg, Retire):
             log.info("retiring (%s)", msg.reason or "drained")
             self.leave()

@@ -481,6 +481,53 @@ def test_a_request_ending_before_its_kv_is_committed_lets_the_transfer_go(fp32_m
         rx.close()
 
 
+def test_a_transfer_to_a_worker_the_router_says_died_fails_to_its_fallback_at_once(fp32_model, fp32_config, make_arena):
+    """The decode worker died with two transfers to it under way: one prompt done and waiting for its
+    COMMIT's answer, one still computing. Told so (the router's `DestinationLost`), the engine gives
+    both up now — no path tried again, though each session would wait 60 s, then 120 s, for an answer
+    here — and the router gets each with the recompute fallback; the one still computing stops here
+    (the decode side computes it) and nothing of either stays."""
+    import zmq
+
+    from steadfast.kv.moves.sender import KVSender
+    from steadfast.worker.engine import Engine
+    from tests.integration.server import free_port
+
+    cfg = fp32_config.replace(scheduler={"max_prefill_chunk": 32, "max_num_batched_tokens": 64})
+    arena = make_arena(cfg, fp32_model)
+    tx = KVSender(arena.spec.num_layers, 60.0, 3, 0.01)
+    engine = Engine(cfg, fp32_model, arena, sender=tx)
+    # The receiver's sockets, taking what comes and answering nothing (as a process gone mid-move).
+    paths = [f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"]
+    silent = [zmq.Context.instance().socket(zmq.ROUTER) for _ in paths]
+    for sock, address in zip(silent, paths, strict=True):
+        sock.bind(address)
+    try:
+        short = fp32_model.tokenizer.encode("A lighthouse stands on the rock.")
+        long = fp32_model.tokenizer.encode("A lighthouse stands on the rock. " * 20)
+        engine.add_request(AddRequest("done", short, SamplingParams(8, 0.0), decode_worker=1, kv_paths=paths))
+        engine.add_request(AddRequest("computing", long, SamplingParams(8, 0.0), decode_worker=1, kv_paths=paths))
+        outputs = engine.step()
+        deadline = time.monotonic() + 30
+        while not engine.kv.paused("done") and time.monotonic() < deadline:
+            outputs += engine.step()
+        assert engine.kv.paused("done") and engine.requests["computing"].num_computed < len(long)
+        engine.destination_lost(1)
+        outputs += run_until_idle(engine, timeout_s=30)  # well inside the sessions' first wait
+        handed = {o.request_id: o.handoff for o in outputs if o.handoff is not None}
+        assert set(handed) == {"done", "computing"}
+        for h in handed.values():
+            assert h.fallback == "recompute" and "worker 1 died" in h.error and h.to_worker == 1, h
+            assert h.fallbacks == 0 and h.retries == 0, h  # no path was tried again
+        assert not engine.requests and not any(o.token_ids for o in outputs if o.request_id == "computing")
+        assert engine.blocks.num_used == 0  # (blocks cached for a prompt like theirs are free ones)
+        engine.blocks.check_integrity()
+    finally:
+        tx.close()
+        for sock in silent:
+            sock.close(linger=0)
+
+
 def test_with_recompute_off_a_transfer_failing_on_every_path_ends_the_request_with_a_clear_error(
     fp32_model, fp32_config, make_arena
 ):

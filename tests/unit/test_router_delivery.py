@@ -199,3 +199,47 @@ def test_a_move_no_worker_takes_ends_with_the_reason_it_was_moved():
         assert out.finish_reason == FinishReason.ERROR and out.error == why and not f.mark.moving
 
     asyncio.run(run())
+
+
+def test_a_dead_decode_worker_s_sources_are_told_at_once(tmp_path):
+    """A decode worker dies while a prefill worker's KV transfer to it is under way: the prefill worker
+    is told (`DestinationLost`) when the router learns of the death, so the transfer fails to its
+    fallback now, not after its session's retries (30 s a path at the default timeout). Workers not
+    moving anything to it hear nothing."""
+    import time
+
+    import zmq
+
+    from steadfast.control.fleet.client import EngineClient
+    from steadfast.wire.worker import DestinationLost, decode_to_worker
+
+    async def run() -> None:
+        ctx = zmq.Context.instance()
+        inboxes = {}
+        for wid in (0, 1, 2):
+            pull = ctx.socket(zmq.PULL)
+            pull.bind(f"ipc://{tmp_path}/worker{wid}")
+            inboxes[wid] = pull
+        roles = {0: WorkerRole.PREFILL, 1: WorkerRole.DECODE, 2: WorkerRole.MIXED}
+        client = EngineClient(
+            [(w, f"ipc://{tmp_path}/worker{w}", r) for w, r in roles.items()], f"ipc://{tmp_path}/outputs", 0.5
+        )
+        try:
+            for wid, role in roles.items():
+                client.registry.observe(WorkerStatus(wid, 1, role, WorkerState.READY))
+            add = AddRequest("r", [1, 2, 3], SamplingParams(), decode_worker=1, kv_paths=["tcp://10.0.0.2:1"])
+            client._flights["r"] = Flight(add, asyncio.Queue(), Watermark(0))  # prefilling on worker 0
+            client.registry.get(0).in_flight.add("r")
+            await client.roster.lost(client.registry.get(1), client.recovery)
+            deadline = time.monotonic() + 5
+            while not inboxes[0].poll(0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert decode_to_worker(inboxes[0].recv(zmq.NOBLOCK)) == DestinationLost(1)
+            await asyncio.sleep(0.2)
+            assert not inboxes[2].poll(0)  # nothing of its own was going to worker 1
+        finally:
+            await client.close()
+            for pull in inboxes.values():
+                pull.close(linger=0)
+
+    asyncio.run(run())

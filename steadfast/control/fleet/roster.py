@@ -22,6 +22,7 @@ from steadfast.control.fleet.timeline import EventKind, Timeline
 from steadfast.control.fleet.workers import Liveness, WorkerHandle, WorkerRegistry
 from steadfast.wire.worker import (
     AddRequest,
+    DestinationLost,
     Priority,
     Promote,
     WorkerDied,
@@ -123,8 +124,17 @@ class Roster:
         w.liveness = Liveness.DEAD
         self.health.forget(w.worker_id)
         self.index.forget(w.worker_id)
+        # Its sources are told at once: a move to it would otherwise wait out its session's retries
+        # (30 s a path at the default timeout) before the fallback.
+        sources = {f.mark.owner for f in self.flights.values() if f.add.decode_worker == w.worker_id}
         for record in self.migrations.lost(w.worker_id, f"worker {w.worker_id} died"):
+            if record.to_worker == w.worker_id:
+                sources.add(record.from_worker)
             self.ended(record)
+        for source in sources - {w.worker_id}:
+            x = self.registry.get(source)
+            if x is not None and not x.dead:
+                await self.hub.send(x, DestinationLost(w.worker_id))
         role, node = w.role, w.node
         moving = sorted((f for f in self.flights.values() if f.mark.owner == w.worker_id), key=lambda f: f.add.priority)
         w.in_flight.clear()

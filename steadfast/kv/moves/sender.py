@@ -52,6 +52,7 @@ from steadfast.kv.moves.sender_jobs import (
     Batch,
     Begin,
     CommitJob,
+    GiveUp,
     Job,
     Layer,
     Stop,
@@ -147,6 +148,10 @@ class KVSender:
     def abort(self, request_id: str) -> None:
         self._jobs.put(AbortJob(request_id))
 
+    def give_up(self, request_id: str, why: str) -> None:
+        """Its destination is gone (the router says so): the transfer fails now, to its fallback."""
+        self._jobs.put(GiveUp(request_id, why))
+
     def touch(self, request_ids: list[str]) -> None:
         """These transfers' requests are still alive here (the engine says so once a step): their
         sessions keep the destination's watchdog away while the prompt computes."""
@@ -204,7 +209,7 @@ class KVSender:
                 out.errors.append(f"sender error: {exc}")
                 self._end(out, TransferOutcome.FAILED)
 
-    def _job(self, job: Begin | Layer | CommitJob | AbortJob) -> None:
+    def _job(self, job: Begin | Layer | CommitJob | AbortJob | GiveUp) -> None:
         if job.request_id in self._out:
             self._out[job.request_id].alive = time.monotonic()
         match job:
@@ -246,6 +251,17 @@ class KVSender:
                 # claims is given back by the receiver.
                 out.errors.append("aborted")
                 self._end(out, TransferOutcome.ABORTED)
+            case GiveUp():
+                out = self._out.get(job.request_id)
+                if out is None:
+                    return
+                s = out.session
+                if s is not None and s.can_abort:  # the receiver, if it is there after all, lets go
+                    self._act(out, s.abort(AbortReason.SOURCE_ABORT, time.monotonic()), reported=True)
+                # In doubt (acked, decision asked): as when nobody answers the ask, the fallback goes on;
+                # the decode side's claim finds the blocks only if the ledger said COMMITTED.
+                out.errors.append(job.why)
+                self._end(out, TransferOutcome.FAILED)
 
     def _path(self, out: Outgoing) -> Transport:
         key = out.addresses[out.path]

@@ -1,5 +1,5 @@
 """The interface between the engine thread and the KV sender's thread: the jobs the engine queues (begin,
-a layer's bytes, commit, abort, a touch) and the one `TransferResult` each transfer ends in.
+a layer's bytes, commit, abort, give up, a touch) and the one `TransferResult` each transfer ends in.
 
 Shapes only: the sender (`kv/moves/sender.py`) owns what is done with them.
 """
@@ -64,6 +64,14 @@ class AbortJob:
 
 
 @dataclass(frozen=True)
+class GiveUp:
+    """The destination is known gone: end the transfer FAILED now, every path skipped (they all lead to it)."""
+
+    request_id: str
+    why: str
+
+
+@dataclass(frozen=True)
 class Touch:
     request_ids: tuple[str, ...]
 
@@ -81,4 +89,4 @@ class Batch:
     jobs: tuple[Layer | CommitJob, ...]
 
 
-Job = Begin | Layer | CommitJob | AbortJob | Touch | Stop | Batch
+Job = Begin | Layer | CommitJob | AbortJob | GiveUp | Touch | Stop | Batch

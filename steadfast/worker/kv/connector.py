@@ -206,6 +206,20 @@ class KVConnector:
         if move.paused:
             self.blocks.free(request.request_id)
 
+    def destination_lost(self, worker_id: int) -> None:
+        """Worker `worker_id` died (the router says so): every move of ours to it is given up now. A
+        transfer fails to its fallback (the router recomputes the request elsewhere); a migration's
+        request runs on here. Their outcomes come from `results` as any other's."""
+        why = f"worker {worker_id} died"
+        if self.migrations is not None:
+            self.migrations.destination_lost(worker_id, why)
+        if self.sender is None:
+            return
+        for rid, move in self._out.items():
+            if move.to_worker == worker_id and not move.ended:
+                log.warning("request %s: KV transfer given up: %s", rid, why, extra=about(rid))
+                self.sender.give_up(rid, why)
+
     def results(self) -> tuple[list[RequestOutput], list[Request]]:
         """Outputs for transfers that ended — where the decode worker finds the KV, or, every path
         having failed, that it must compute the prompt itself — and the requests they let go."""
@@ -246,9 +260,12 @@ class KVConnector:
                 stream_seconds=r.stream_seconds,
                 fallback=Fallback(fallback),
             )
-            if move is not None and move.paused and not move.ended:
+            if move is not None and (move.paused or failed) and not move.ended:
                 # Acknowledged, or failed for good: the decode worker continues it (with our KV, or
                 # computing the prompt), so its blocks here go back (cached for the next prompt like it).
+                # Failed before its prompt was done (paths down, its destination gone): it stops here too.
+                if not move.paused:
+                    self.scheduler.remove(r.request_id)
                 self.blocks.free(r.request_id)
                 if self.sync is not None:
                     self.sync.finished(move.request)  # here, that is: the decode node's ledger follows it

@@ -124,6 +124,12 @@ class OutgoingMigrations:
             if not m.ended and now - m.started > m.msg.timeout_s:
                 self._give_up(m, f"not committed within {m.msg.timeout_s:g}s (migration.timeout)")
 
+    def destination_lost(self, worker_id: int, why: str) -> None:
+        """The destination died: its migrations are given up now (the request runs on here)."""
+        for m in list(self._moves.values()):
+            if not m.ended and m.msg.to_worker == worker_id:
+                self._give_up(m, why)
+
     def _round(self, m: Migrating) -> None:
         """The next chunk of the current round, or of a new one (what was sealed since the last)."""
         if m.sent >= m.target:
