@@ -119,10 +119,9 @@ class KVSender:
         self._jobs.put(Begin(request_id, addresses, num_tokens, probe))
 
     def landed(self, request_id: str, parts: int) -> bool:
-        """Whether the destination has handled the first `parts` streamed parts of a probing transfer —
-        or there is nothing to wait for: a path that refuses data or leaves a probe unanswered for
-        `timeout_s` is the COMMIT's business (its timer retries, then the next path). Read by the
-        engine thread: attribute reads only."""
+        """Whether the destination handled the first `parts` streamed parts of a probing transfer, or
+        there is nothing to wait for: a path that refuses data or leaves a probe unanswered for `timeout_s`
+        is the COMMIT's business (its timer retries, then the next path). Engine thread: reads only."""
         out = self._out.get(request_id)
         if out is None:
             return True
@@ -159,13 +158,12 @@ class KVSender:
             self._jobs.put(Touch(tuple(request_ids)))
 
     def results(self) -> list[TransferResult]:
-        out = []
-        while True:
-            try:
+        out: list[TransferResult] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
                 out.append(self._results.get_nowait())
-            except queue.Empty:
-                self.pending -= len(out)
-                return out
+        self.pending -= len(out)
+        return out
 
     def close(self) -> None:
         self._jobs.put(Stop())
@@ -183,15 +181,11 @@ class KVSender:
             if isinstance(job, Stop):
                 return
             if isinstance(job, Touch):
-                now = time.monotonic()
-                for rid in job.request_ids:
-                    if rid in self._out:
-                        self._out[rid].alive = now
-            elif isinstance(job, Batch):
-                for j in job.jobs:
-                    self._guard(j.request_id, self._job, j)
+                for out in filter(None, map(self._out.get, job.request_ids)):
+                    out.alive = time.monotonic()
             elif job is not None:
-                self._guard(job.request_id, self._job, job)
+                for j in job.jobs if isinstance(job, Batch) else (job,):
+                    self._guard(j.request_id, self._job, j)
             self._poll()
 
     def _wait(self) -> float | None:
@@ -240,28 +234,18 @@ class KVSender:
                     self._open(out)
                 elif out.session.state is SourceState.COPYING:
                     self._finish(out)
-            case AbortJob():
+            case AbortJob() | GiveUp():  # the request ended here / its destination is known gone
                 out = self._out.get(job.request_id)
                 if out is None:
                     return
                 s = out.session
                 if s is not None and s.can_abort:
                     self._act(out, s.abort(AbortReason.SOURCE_ABORT, time.monotonic()), reported=True)
-                # In doubt (acked, decision asked): nothing to tell; an adopted reservation nobody
-                # claims is given back by the receiver.
-                out.errors.append("aborted")
-                self._end(out, TransferOutcome.ABORTED)
-            case GiveUp():
-                out = self._out.get(job.request_id)
-                if out is None:
-                    return
-                s = out.session
-                if s is not None and s.can_abort:  # the receiver, if it is there after all, lets go
-                    self._act(out, s.abort(AbortReason.SOURCE_ABORT, time.monotonic()), reported=True)
-                # In doubt (acked, decision asked): as when nobody answers the ask, the fallback goes on;
-                # the decode side's claim finds the blocks only if the ledger said COMMITTED.
-                out.errors.append(job.why)
-                self._end(out, TransferOutcome.FAILED)
+                # In doubt (acked, decision asked): nothing to tell; an adopted reservation nobody claims
+                # is given back by the receiver. Given up, it falls back as when nobody answers the ask.
+                gave_up = isinstance(job, GiveUp)
+                out.errors.append(job.why if gave_up else "aborted")
+                self._end(out, TransferOutcome.FAILED if gave_up else TransferOutcome.ABORTED)
 
     def _path(self, out: Outgoing) -> Transport:
         key = out.addresses[out.path]
