@@ -119,11 +119,13 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
     phases.mark("model")
     sync = None
     if args.pool:
-        pool = PoolClient(args.pool, f"worker{args.worker_id}")
-        reply = pool.register(os.getpid())
+        registrar = PoolClient(args.pool, f"worker{args.worker_id}")
+        reply = registrar.register(os.getpid())
+        registrar.close()
         arena = map_arena(reply)
         arena.populate_to(reply.made)
-        pool.on_made = arena.populate_to
+        # The worker's client from here on: it makes resident what the pool says it has made.
+        pool = PoolClient(args.pool, registrar.worker, epoch=reply.epoch, on_made=arena.populate_to)
         sync = LedgerSync(cfg, pool, reply.ledger_url, arena)
         log.info("registered with the kvpool as %s, epoch %d", pool.worker, pool.epoch)
         side = transfer_side(args.role, args.transfer_side)

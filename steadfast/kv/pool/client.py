@@ -64,17 +64,27 @@ class PoolUnavailableError(RuntimeError):
 
 
 class PoolClient:
-    def __init__(self, address: str, worker: str, timeout_s: float = 2.0, attempts: int = 10) -> None:
+    def __init__(
+        self,
+        address: str,
+        worker: str,
+        timeout_s: float = 2.0,
+        attempts: int = 10,
+        epoch: int = 0,
+        on_made: Callable[[int], None] | None = None,
+    ) -> None:
+        """`epoch`: the lease's, for a client of a worker registered already (by another client: the one
+        that registered had no arena yet to tell); `on_made`: told how much of the arena the pool has
+        made, with every answer that says (`PoolReply.made`)."""
         self.address = address
         self.worker = worker
         self.timeout_ms = int(timeout_s * 1000)
         self.attempts = attempts
         self.ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
-        self.epoch = 0
+        self.epoch = epoch
         self._junk = Throttled(log)
-        # Told how much of the arena the pool has made, with every answer that says (`PoolReply.made`).
-        self.on_made: Callable[[int], None] | None = None
+        self.on_made = on_made
 
     def _connect(self) -> zmq.Socket:
         if self.sock is not None:
@@ -116,6 +126,11 @@ class PoolClient:
             except (ValueError, msgspec.DecodeError) as exc:
                 self._junk.warning("malformed reply from the kvpool at %s dropped: %s", self.address, exc)
         return None
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
 
     def register(self, pid: int) -> PoolReply:
         reply = self._call(PoolRegister(self.worker, pid))

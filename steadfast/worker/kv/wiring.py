@@ -79,8 +79,7 @@ def _other_nodes(
             arena.spec.num_layers, t.timeout, t.retries, t.backoff, faults, block_size, keys.get(TransferSide.SEND)
         )
     if side in (TransferSide.RECEIVE, TransferSide.BOTH):
-        grants = PoolClient(pool_address, pool.worker)
-        grants.epoch, grants.on_made = pool.epoch, arena.populate_to
+        grants = PoolClient(pool_address, pool.worker, epoch=pool.epoch, on_made=arena.populate_to)
         receiver = KVReceiver(
             arena,
             arena.spec.block_size,
