@@ -7,7 +7,7 @@ import pytest
 
 from steadfast.ops.harness.chaos import Stream
 from steadfast.ops.harness.soak import Sent, catalogue
-from steadfast.ops.harness.soak_check import diff, gaps_by_fault, outcome, report
+from steadfast.ops.harness.soak_check import diff, gaps_by_fault, longest_gaps, outcome, report
 from steadfast.ops.harness.soak_faults import KINDS, Struck, schedule
 
 pytestmark = pytest.mark.unit
@@ -54,3 +54,21 @@ def test_a_gap_is_the_fault_s_that_struck_before_it():
     far = _sent([1, 2, 3], arrivals=[10.0, 10.2, 10.3])
     gaps = gaps_by_fault([near, far], [kill])
     assert gaps["kill-worker"] == [pytest.approx(1500.0)] and gaps["quiet"] == [pytest.approx(200.0)]
+
+
+def test_the_longest_gaps_name_their_request_token_and_fault():
+    kill = Struck("kill-worker", at=100.0, what="worker 2 killed")
+    near = _sent([1, 2, 3], arrivals=[99.0, 100.5, 100.6])
+    near.stream.request_id = "cmpl-near"
+    far = _sent([1, 2, 3, 4], arrivals=[10.0, 10.2, 10.3, 11.0])
+    top = longest_gaps([far, near], [kill], t0=90.0, count=2)
+    assert [g["gap_ms"] for g in top] == [1500.0, 700.0]
+    assert top[0] == {
+        "gap_ms": 1500.0,
+        "request": "cmpl-near",
+        "kind": near.ask.kind,
+        "after_token": 1,
+        "at_s": 9.0,
+        "fault": "kill-worker at 10.00s: worker 2 killed",
+    }
+    assert top[1]["fault"] == "none" and top[1]["after_token"] == 3

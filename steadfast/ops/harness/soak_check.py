@@ -70,6 +70,30 @@ def gaps_by_fault(sent: list[Sent], struck: list[Struck]) -> dict[str, list[floa
     return dict(by_kind)
 
 
+def longest_gaps(sent: list[Sent], struck: list[Struck], t0: float, count: int = 5) -> list[dict[str, Any]]:
+    """The `count` longest gaps of the run, each with its request, where it began (seconds from `t0`),
+    after which token, and the fault it is put down to (as `gaps_by_fault` does): where to look first."""
+    order = sorted(struck, key=lambda f: f.at)
+    gaps = []
+    for x in sent:
+        arrivals = x.stream.arrivals
+        for i, (a, b) in enumerate(zip(arrivals, arrivals[1:], strict=False)):
+            cause = next((f for f in reversed(order) if a - FAULT_WINDOW_S < f.at < b), None)
+            gaps.append((b - a, i + 1, a, x, cause))
+    gaps.sort(key=lambda g: g[0], reverse=True)
+    return [
+        {
+            "gap_ms": round(1000 * gap, 1),
+            "request": x.stream.request_id,
+            "kind": x.ask.kind,
+            "after_token": token,
+            "at_s": round(a - t0, 2),
+            "fault": f"{cause.kind} at {cause.at - t0:.2f}s: {cause.what}" if cause is not None else "none",
+        }
+        for gap, token, a, x, cause in gaps[:count]
+    ]
+
+
 def node_problems(pool_addresses: list[str]) -> list[str]:
     """`check_node` on every node: its ledger against itself and its arena's bytes."""
     problems = []

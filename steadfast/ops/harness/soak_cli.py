@@ -60,6 +60,11 @@ def show(r: dict[str, Any]) -> None:
             *(str(gap.get(k, "")) for k in ("streams", "p50_ms", "p99_ms", "max_ms")),
         )
     console.print(g)
+    for x in r.get("longest_gaps", []):
+        console.print(
+            f"longest gap: {x['gap_ms']:.0f} ms at {x['at_s']:.2f}s, request {x['request']} ({x['kind']}) after"
+            f" token {x['after_token']}; fault: {x['fault']}"
+        )
     for problem in r["history_problems"] + r["node_problems"] + r["leaks"]:
         console.print(f"[bold red]problem:[/] {problem}")
     for failure in r["failures"]:

@@ -18,7 +18,7 @@ from steadfast.config import Config
 from steadfast.kv.ledger.history import check_history, journal_stores, load_journal
 from steadfast.ops.harness.served import Served
 from steadfast.ops.harness.soak import Sent, SoakPlan, Traffic, catalogue, model_name
-from steadfast.ops.harness.soak_check import node_problems, report
+from steadfast.ops.harness.soak_check import longest_gaps, node_problems, report
 from steadfast.ops.harness.soak_faults import Nemesis, Struck, schedule
 from steadfast.ops.harness.soak_reference import reference
 from steadfast.worker.loaded import LoadedModel
@@ -103,6 +103,7 @@ def run_soak(
         {"at_s": round(f.at - t0, 2), "kind": f.kind, "what": f.what, "proven": f.proven, "error": f.error}
         for f in struck
     ]
+    out["longest_gaps"] = longest_gaps(sent, struck, t0)
     out["burst"] = {"sent": len(nemesis.burst), "broken": sum(1 for x in nemesis.burst if x.status == 200 and not x.ok)}
     out["_plot"] = (t0, sent, struck)
     return out
