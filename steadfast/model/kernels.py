@@ -95,6 +95,12 @@ def build(source: Path, what: str, linked: tuple[Path, ...] = ()) -> Path | None
 def load_library(source: Path, what: str, supported: str, linked: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
     """`source` (and `linked`) built and loaded where it runs here: None without a compiler, or where its
     function `supported()` says this CPU lacks what it needs (AVX-512), `what` then staying on torch."""
+    flags = _cpu_flags()
+    if flags.startswith("flags") and "avx512f" not in flags.split():
+        # Every kernel needs AVX-512F; most do not even compile without it (-march=native), and a failed
+        # build is not cached: ~2 s of compiler a process start, a traceback-like log each time.
+        log.info("this CPU has no AVX-512: %s stays on the torch path", what)
+        return None
     path = build(source, what, linked)
     if path is None:
         return None

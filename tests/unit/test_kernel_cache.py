@@ -37,6 +37,8 @@ def where(tmp_path, monkeypatch):
     monkeypatch.setenv("STEADFAST_KERNEL_DIR", str(tmp_path / "cache"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    # The stand-in compiles on any CPU; the real kernels are not even built without AVX-512F.
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t\t: fpu sse2 avx2 avx512f avx512bw")
     return tmp_path
 
 
@@ -81,3 +83,16 @@ def test_a_kernel_file_not_ours_alone_is_not_loaded(where, how):
     assert paged_attention.load() is None
     assert not (where / "marker").exists()
     assert fallback(where, cached.name).is_file()
+
+
+def test_without_avx512_no_kernel_is_compiled(where, monkeypatch):
+    """Every kernel needs AVX-512F; most fail to compile without it, and a failed build is not cached: so
+    none is built there at all (it cost ~2 s of compiler at every process start)."""
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t\t: fpu sse2 avx avx2 fma")
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("nothing is compiled without AVX-512")
+
+    monkeypatch.setattr(kernels, "build", no_compiler)
+    assert paged_attention.load() is None
+    assert not (where / "cache").exists()
