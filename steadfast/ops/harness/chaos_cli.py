@@ -108,6 +108,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("steadfast chaos: interrupted", file=sys.stderr)
         return 130
+    finally:
+        # Kept for the post-mortem: every process's log of the run, in one file.
+        print(f"steadfast chaos: the server's log is {folder / 'server.log'}", file=sys.stderr)
     return 0 if report["passed"] else 1
 
 
