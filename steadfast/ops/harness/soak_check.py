@@ -8,6 +8,7 @@ Pure over what the run recorded, except `node_problems` (it attaches to the pool
 from __future__ import annotations
 
 import difflib
+import heapq
 import os
 from collections import defaultdict
 from typing import Any
@@ -47,6 +48,12 @@ def outcome(sent: Sent, want: list[int]) -> str:
     return "exact"
 
 
+def _cause(order: list[Struck], a: float, b: float) -> Struck | None:
+    """The fault a gap from `a` to `b` is put down to: the last of `order` (by time) to strike before it
+    ended and at most `FAULT_WINDOW_S` before it began."""
+    return next((f for f in reversed(order) if a - FAULT_WINDOW_S < f.at < b), None)
+
+
 def gaps_by_fault(sent: list[Sent], struck: list[Struck]) -> dict[str, list[float]]:
     """Per fault kind, each stream's longest gap between two tokens put down to a fault of that kind: the
     last one to strike before the gap ended and at most `FAULT_WINDOW_S` before it began (`quiet`: the
@@ -60,7 +67,7 @@ def gaps_by_fault(sent: list[Sent], struck: list[Struck]) -> dict[str, list[floa
             continue
         longest: dict[str, float] = {}
         for a, b in pairs:
-            cause = next((f for f in reversed(order) if a - FAULT_WINDOW_S < f.at < b), None)
+            cause = _cause(order, a, b)
             if cause is not None:
                 longest[cause.kind] = max(longest.get(cause.kind, 0.0), b - a)
         for kind, gap in longest.items():
@@ -74,24 +81,25 @@ def longest_gaps(sent: list[Sent], struck: list[Struck], t0: float, count: int =
     """The `count` longest gaps of the run, each with its request, where it began (seconds from `t0`),
     after which token, and the fault it is put down to (as `gaps_by_fault` does): where to look first."""
     order = sorted(struck, key=lambda f: f.at)
-    gaps = []
-    for x in sent:
-        arrivals = x.stream.arrivals
-        for i, (a, b) in enumerate(zip(arrivals, arrivals[1:], strict=False)):
-            cause = next((f for f in reversed(order) if a - FAULT_WINDOW_S < f.at < b), None)
-            gaps.append((b - a, i + 1, a, x, cause))
-    gaps.sort(key=lambda g: g[0], reverse=True)
-    return [
-        {
-            "gap_ms": round(1000 * gap, 1),
-            "request": x.stream.request_id,
-            "kind": x.ask.kind,
-            "after_token": token,
-            "at_s": round(a - t0, 2),
-            "fault": f"{cause.kind} at {cause.at - t0:.2f}s: {cause.what}" if cause is not None else "none",
-        }
-        for gap, token, a, x, cause in gaps[:count]
-    ]
+    gaps = (
+        (b - a, i + 1, a, b, x)
+        for x in sent
+        for i, (a, b) in enumerate(zip(x.stream.arrivals, x.stream.arrivals[1:], strict=False))
+    )
+    top = []
+    for gap, token, a, b, x in heapq.nlargest(count, gaps, key=lambda g: g[0]):
+        cause = _cause(order, a, b)  # (only for these: a long soak has ~10^5 gaps)
+        top.append(
+            {
+                "gap_ms": round(1000 * gap, 1),
+                "request": x.stream.request_id,
+                "kind": x.ask.kind,
+                "after_token": token,
+                "at_s": round(a - t0, 2),
+                "fault": f"{cause.kind} at {cause.at - t0:.2f}s: {cause.what}" if cause is not None else "none",
+            }
+        )
+    return top
 
 
 def node_problems(pool_addresses: list[str]) -> list[str]:
