@@ -139,6 +139,8 @@ class Launcher:
             raise StartupError(f"cannot keep KV arenas in cache.arena_dir {cfg.cache.arena_dir}: {exc}") from None
         if cfg.model.resolved_device == "cpu":  # else every arena is device memory
             self._check_arena_space(pools or len(placed), spec)
+        self._cfg_json, self._output = cfg_json, output
+        self._start_zygote()  # its ~2 s of torch import and the model's load overlap the pools' start
         for i in range(pools):
             try:
                 node = start_pool(
@@ -147,7 +149,6 @@ class Launcher:
             except PoolStartError as exc:
                 raise StartupError(str(exc)) from None
             self.nodes.append(node)
-        self._cfg_json, self._output = cfg_json, output
         # The router asks here for new workers (a rollout); the run folder is 0700, so only this user can.
         self._supervisor_address = f"ipc://{self.run_dir}/supervisor"
         self._requests = zmq.Context.instance().socket(zmq.PULL)
@@ -160,11 +161,16 @@ class Launcher:
             keys = write_deployment_keys(self.run_dir) if wire_keys else {}
         except CurveUnavailableError as exc:
             raise StartupError(str(exc)) from None
-        self._start_zygote()
         launch = WorkerLaunch(cfg_json, output, spec, self.run_dir, self.arena_folder.path, keys)
         self.workers = workers = Workers(
             cfg, launch, self.nodes, self.children, self._spawn, self._notify, self.zygote, self.cluster
         )
+        active = [i for i, (role, _) in enumerate(placed) if role != WorkerRole.STANDBY]
+        if self.cluster is None:
+            # Its workers' addresses are known before they start: the router's ~2 s of imports overlap
+            # the zygote's model load (it places nothing until a worker reports).
+            self._spawn(self._router_spec(active, [i for i in range(len(placed)) if i not in active]))
+        self._zygote_ready()
         if self.cluster is not None:  # a node: its workers join the router through its record in etcd
             assert self.cluster.membership is not None
             try:
@@ -177,9 +183,7 @@ class Launcher:
             return
         for worker_id, (role, node) in enumerate(placed):
             workers.start(worker_id, role, node)
-        active = [i for i, (role, _) in enumerate(placed) if role != WorkerRole.STANDBY]
-        self._spawn(self._router_spec(active, [i for i in range(len(placed)) if i not in active]))
-        self.router_started = True
+        self.router_started = True  # (a signal before this ends the start; the router is then stopped too)
         self._notices = zmq.Context.instance().socket(zmq.PUSH)  # supervisor → router: deaths, joins
         self._notices.setsockopt(zmq.LINGER, 0)
         self._notices.connect(output)
@@ -194,7 +198,8 @@ class Launcher:
 
     def _start_zygote(self) -> None:
         """With `model.fork_workers`, the process every worker is forked from; it builds the node's weight
-        store (or maps it) before the first worker starts. Without it, or if it fails, workers are exec'd."""
+        store (or maps it) before the first worker starts (`_zygote_ready`). Without it, or if it fails,
+        workers are exec'd."""
         model = self.cfg.model
         if not (model.shared_weights and model.fork_workers and self.arena_folder is not None):
             return
@@ -203,7 +208,11 @@ class Launcher:
             return
         self.zygote = Zygote(self._cfg_json, self.arena_folder.path)
         self._spawn_zygote()
-        self.zygote.ready(timeout=self.cfg.server.startup_timeout_s)
+
+    def _zygote_ready(self) -> None:
+        """Wait for the zygote started by `_start_zygote`, if any (workers are exec'd if it fails)."""
+        if self.zygote is not None:
+            self.zygote.ready(timeout=self.cfg.server.startup_timeout_s)
 
     def _spawn_zygote(self) -> Child:
         assert self.zygote is not None
