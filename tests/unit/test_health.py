@@ -273,3 +273,30 @@ def test_moves_take_the_lowest_priority_first_and_skip_those_moved_lately():
     assert [f.add.request_id for f, _ in plan][:2] == ["r1", "r2"]  # low first; r3 was moved lately
     assert all(target.worker_id == 0 for _, target in plan)
     assert h.moves(reg.get(0), flights, migrations, {}, 40.0) == []  # a healthy worker keeps its work
+
+
+def test_a_health_move_never_goes_to_a_degraded_worker_that_is_no_outlier():
+    """Worker 1 is degraded but no outlier (worker 0 is far slower), so new requests may still go there;
+    worker 0's health moves may not: they go to worker 2, healthy, or nowhere."""
+    import asyncio
+
+    from steadfast.config import MigrationConfig
+    from steadfast.control.fleet.delivery import Flight, Watermark
+    from steadfast.control.fleet.migration import Migrations
+    from steadfast.wire.worker import AddRequest, SamplingParams
+
+    h = HealthMonitor(HealthConfig(min_baseline=8, worker_cooldown_s=0.0))
+    reg = registry_with(3)
+    for t in range(50):
+        h.token_gap(0, "a", 0.02 if t < 38 else 0.4, float(t))
+        h.token_gap(1, "b", 0.02 if t < 30 else 0.1, float(t))
+        h.token_gap(2, "c", 0.02, float(t))
+        h.tick(reg, {}, float(t), 0.0)
+    assert h.of(0).standing is Standing.DEGRADED and h.of(0).outlier
+    assert h.of(1).standing is Standing.DEGRADED and not h.avoid(1)  # no outlier: new requests may go
+    add = AddRequest("r", [1] * 32, SamplingParams(), Priority.LOW)
+    flight = Flight(add, asyncio.Queue(), Watermark(1, [5, 6]))
+    migrations = Migrations(MigrationConfig(), reg, 16)
+    assert [target.worker_id for _, target in h.moves(reg.get(0), [flight], migrations, {}, 50.0)] == [2]
+    reg.remove(2)
+    assert h.moves(reg.get(0), [flight], migrations, {}, 50.0) == []  # not to worker 1

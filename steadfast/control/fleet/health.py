@@ -282,8 +282,16 @@ class HealthMonitor:
             # last evicted from (a few good samples of the one request left on it are not a recovery); a
             # worker emptied of work has none to say it with, and is given work again only after the
             # request cooldown (then measured afresh).
-            quiet = now - max(h.since, h.last_eviction)
-            if (h.level is not None and quiet >= cfg.recent_s) or quiet >= cfg.request_cooldown_s:
+            # Its own tokens means tokens since then: a sample looks back two intervals, so the first
+            # ones after an eviction still carry the gaps of the request it just lost.
+            quiet_from = max(h.since, h.last_eviction)
+            fresh = any(
+                x.tpot_s is not None and x.at > quiet_from + 2 * cfg.interval_s
+                for x in h.samples
+                if x.at > now - cfg.recent_s
+            )
+            quiet = now - quiet_from
+            if (fresh and quiet >= cfg.recent_s + 2 * cfg.interval_s) or quiet >= cfg.request_cooldown_s:
                 self._set(h, Standing.HEALTHY, f"score {h.score.value:.2f} <= {cfg.recover_score}", now, wall)
 
     def _layers(self, h: WorkerHealth, w: WorkerHandle, now: float, wall: float) -> None:
@@ -334,6 +342,11 @@ class HealthMonitor:
         # A degraded worker with no tokens to judge it by now (emptied of work) stays avoided.
         return h.standing is Standing.SICK or (h.standing is Standing.DEGRADED and (h.outlier or h.level is None))
 
+    def healthy(self, w: WorkerHandle) -> bool:
+        """Whether `w` stands healthy (or is not judged yet): a place a health migration may go."""
+        h = self._workers.get(w.worker_id)
+        return h is None or h.standing is Standing.HEALTHY
+
     def link_ok(self, worker_id: int) -> bool:
         """Whether the worker's transport layer is OK (its KV moves to other nodes are not being resent)."""
         h = self._workers.get(worker_id)
@@ -359,8 +372,8 @@ class HealthMonitor:
         self, w: WorkerHandle, decoding: list[Flight], migrations: Migrations, recent: dict[str, float], now: float
     ) -> list[tuple[Flight, WorkerHandle]]:
         """Which of a degraded worker's `decoding` requests go where now: `evictions` of them, lowest
-        priority and least recently active first, each to the least loaded healthy worker with 1.2x its
-        KV free (`Migrations.target`) — not to another node while this worker's KV moves are being resent
+        priority and least recently active first, each to the least loaded worker standing healthy with
+        1.2x its KV free (`Migrations.target`) — not to another node while this worker's KV moves are being resent
         — within the concurrent-migration cap, none moved for health within `request_cooldown_s`
         (`recent`: request id → when)."""
         count = min(self.evictions(w.worker_id, len(decoding), now), migrations.slots)
@@ -371,8 +384,10 @@ class HealthMonitor:
                 break
             if rid in recent or migrations.active(rid) is not None:
                 continue
-            target = migrations.target(flight, w)
-            if target is None or self.avoid(target.worker_id):
+            # Healthy targets only: a degraded worker that is not an outlier now (its peer slowed by the
+            # work it took from it) is still no place to send work for its health.
+            target = migrations.target(flight, w, self.healthy)
+            if target is None:
                 break  # nowhere healthy with room to go
             if target.node != w.node and not self.link_ok(w.worker_id):
                 break  # its KV moves are being resent: not another node's way, over that link

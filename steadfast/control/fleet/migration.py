@@ -11,7 +11,7 @@ import enum
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from steadfast.config import MigrationConfig
@@ -103,15 +103,19 @@ class Migrations:
     def blocks_of(self, flight: Flight) -> int:
         return -(-(len(flight.add.prompt_ids) + len(flight.mark.delivered)) // self.block_size)
 
-    def target(self, flight: Flight, source: WorkerHandle) -> WorkerHandle | None:
+    def target(
+        self, flight: Flight, source: WorkerHandle, allowed: Callable[[WorkerHandle], bool] | None = None
+    ) -> WorkerHandle | None:
         """The least loaded ready worker that can decode, other than the source and not leaving, with at
-        least 1.2 × the victim's KV blocks free (by its last report); its own node first, where the KV
-        changes owner without a byte copied."""
+        least 1.2 × the victim's KV blocks free (by its last report), and `allowed` where given; its own
+        node first, where the KV changes owner without a byte copied."""
         need = HEADROOM * self.blocks_of(flight)
         candidates = [
             w
             for w in self.registry.live(source.worker_id)
-            if w.role in MIGRATION_ROLES and (w.status is None or self._free(w) >= need)
+            if w.role in MIGRATION_ROLES
+            and (w.status is None or self._free(w) >= need)
+            and (allowed is None or allowed(w))
         ]
         return min(candidates, key=lambda w: (w.node != source.node, w.load, w.kv_use, w.worker_id), default=None)
 
