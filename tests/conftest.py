@@ -3,6 +3,7 @@ engine, the transformers reference, arenas."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import uuid
@@ -168,10 +169,16 @@ def make_tier_file(tmp_path):
 @pytest.fixture(scope="session")
 def hf_model(model_path: str):
     transformers = pytest.importorskip("transformers")
+    import gguf
+
     path = Path(model_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    # transformers builds gguf's name map once per submodule (397 times, ~4 s of the ~20 s load); it is
+    # a pure function of its arguments, so one per (arch, layers) gives the same mapping.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
     model.eval()
     return model
 

@@ -82,12 +82,21 @@ def run_streams(url: str, jobs: list[tuple[str, int, str]]) -> list[Streamed]:
     return results
 
 
+# Greedy references by prompts: a shorter run of the same batch is a prefix of a longer one (each step
+# is computed alike), so the noisy worker's reference is cut from the slowing one's (~16 s saved).
+REFERENCES: dict[tuple[str, ...], list[list[int]]] = {}
+
+
 def reference(small_config, small_model, make_engine, prompts: list[str], tokens: int) -> list[list[int]]:
+    known = REFERENCES.get(tuple(prompts))
+    if known is not None and len(known[0]) >= tokens:
+        return [ids[:tokens] for ids in known]
     engine = make_engine(small_config, small_model)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     reqs = [AddRequest(f"r{i}", small_model.tokenizer.encode(p), params) for i, p in enumerate(prompts)]
     out = engine.generate(reqs)
-    return [[t for o in out[f"r{i}"] for t in o.token_ids] for i in range(len(prompts))]
+    REFERENCES[tuple(prompts)] = got = [[t for o in out[f"r{i}"] for t in o.token_ids] for i in range(len(prompts))]
+    return got
 
 
 def test_a_worker_whose_requests_fail_is_taken_out_and_they_complete_elsewhere(
