@@ -18,6 +18,7 @@ restarted, fenced or logged as an error.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -330,12 +331,14 @@ class Launcher:
         signals = self.signals  # with any that came since the router started
 
         def on_signal(signum: int, frame: object) -> None:
-            signals.append(signum)  # acted on by the loop below, within half a second
+            signals.append(signum)  # acted on by the loop below at once: the wake-up pipe ends its wait
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         # A pidfd becomes readable the moment its process exits: death is noticed at once, not polled.
         pidfds = {os.pidfd_open(c.proc.pid): c for c in self.children}
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        before = signal.set_wakeup_fd(wake_w)
         handled = 0
         try:
             while not (self.phase is Phase.DRAINING and self._router_drained()):
@@ -355,7 +358,11 @@ class Launcher:
                 due = self.workers.next_respawn() if self.workers is not None else None
                 soonest = due if due is not None else time.monotonic() + 0.5
                 timeout = max(0.0, min(0.5, soonest - time.monotonic()))
-                for fd in wait_sentinels(list(pidfds), timeout=timeout):
+                for fd in wait_sentinels([*pidfds, wake_r], timeout=timeout):
+                    if fd == wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(wake_r, 64)
+                        continue
                     c = pidfds.pop(fd)  # type: ignore[call-overload]
                     os.close(fd)  # type: ignore[arg-type]
                     c.proc.wait()
@@ -365,7 +372,8 @@ class Launcher:
                         pidfds[os.pidfd_open(fresh.proc.pid)] = fresh
             return 0
         finally:
-            for fd in pidfds:
+            signal.set_wakeup_fd(before)
+            for fd in (*pidfds, wake_r, wake_w):
                 os.close(fd)
 
     def _drain_router(self, signum: int) -> None:
