@@ -80,10 +80,11 @@ class Node:
         return self.pool
 
     def start_worker(
-        self, worker_id: int = 0, role: WorkerRole = WorkerRole.MIXED, output: str = ""
+        self, worker_id: int = 0, role: WorkerRole = WorkerRole.MIXED, output: str = "", wait: bool = True
     ) -> subprocess.Popen:
-        """Start a worker on this node; `output`: another node's output address to report to (one
-        router for both), whose `wait_status` then sees its status."""
+        """Start a worker on this node and wait until it is ready (unless not `wait`: workers started
+        together load at once; `wait_ready` then); `output`: another node's output address to report to
+        (one router for both), whose `wait_status` then sees its status."""
         env = dict(os.environ, STEADFAST_FAILPOINTS=self.failpoints, STEADFAST_FAILPOINT_DIR=str(self.failpoint_dir))
         address = f"ipc://{self.tmp}/worker{worker_id}"
         spec = worker_spec(
@@ -96,9 +97,14 @@ class Node:
         push.connect(address)
         self.pushes[worker_id] = push
         self.workers[worker_id] = proc
-        if not output:
-            self.status[worker_id] = self.wait_status(worker_id, "ready", timeout=120)
+        if not output and wait:
+            self.wait_ready(worker_id)
         return proc
+
+    def wait_ready(self, worker_id: int) -> None:
+        """Its ready report (reports of others read meanwhile are dropped: each worker reports every
+        status interval, its state with it)."""
+        self.status[worker_id] = self.wait_status(worker_id, "ready", timeout=120)
 
     def wait_status(self, worker_id: int, state: str, timeout: float) -> WorkerStatus:
         deadline = time.monotonic() + timeout

@@ -56,8 +56,9 @@ def test_prefill_hands_kv_to_decode_worker_and_output_is_exact(tmp_path, small_m
     node = Node(tmp_path, cfg)
     try:
         node.start_pool()
-        node.start_worker(0, "prefill")
+        node.start_worker(0, "prefill", wait=False)  # both load at once
         node.start_worker(1, "decode")
+        node.wait_ready(0)
         refused = AddRequest("gone", reqs[0].prompt_ids, reqs[0].params, decode_worker=7)  # worker7 has no lease
         for r in reqs:
             node.send(0, AddRequest(r.request_id, r.prompt_ids, r.params, decode_worker=1))
@@ -232,16 +233,20 @@ class TwoNodes:
         self.a, self.b = Node(tmp_path / "a", cfg), Node(tmp_path / "b", cfg)
         self.faults = tmp_path / "faults"
 
-    def start(self, monkeypatch) -> list[str]:
+    def start(self, monkeypatch, more_decode: tuple[int, ...] = ()) -> list[str]:
+        """Pools, then every worker at once (`more_decode`: more decode workers' ids on node B)."""
         monkeypatch.setenv("STEADFAST_TRANSFER_FAULTS_FILE", str(self.faults))  # inherited by the workers
         self.a.start_pool()
         self.b.start_pool()
-        self.a.start_worker(0, "prefill")
+        self.a.start_worker(0, "prefill", wait=False)
         layerwise = self.a.cfg_json
         self.a.cfg_json = json.dumps(self.a.cfg.replace(transfer={"layerwise": False}).to_dict())
-        self.a.start_worker(2, "prefill")
+        self.a.start_worker(2, "prefill", wait=False)
         self.a.cfg_json = layerwise
-        self.b.start_worker(1, "decode", output=self.a.output)
+        for worker_id in (1, *more_decode):
+            self.b.start_worker(worker_id, "decode", output=self.a.output)
+        for worker_id in (0, 2, *more_decode):
+            self.a.wait_ready(worker_id)
         status = self.a.wait_status(1, "ready", timeout=120)
         assert status.node != self.a.status[0].node and len(status.kv_addresses) == 2
         return status.kv_addresses
@@ -373,9 +378,7 @@ def test_a_worker_dying_mid_transfer_loses_nothing(tmp_path, small_model, small_
     nodes = TwoNodes(tmp_path, cfg)
     a, b = nodes.a, nodes.b
     try:
-        kv_paths = nodes.start(monkeypatch)
-        b.start_worker(3, "decode", output=a.output)
-        a.wait_status(3, "ready", timeout=120)
+        kv_paths = nodes.start(monkeypatch, more_decode=(3,))
 
         # 1. The prefill worker is killed while it streams the prompt's layers.
         a.send(0, AddRequest("k0", ids, reqs[0].params, decode_worker=1, kv_paths=kv_paths))
