@@ -44,7 +44,8 @@ def chaos(tmp_path: Path, scenario: str, config: str, model: str, *extra: str) -
     cfg.write_text(config)
     port = free_port()
     cmd = [sys.executable, "-m", "steadfast.ops.cli", "chaos", scenario, "--config", str(cfg), "--model", model]
-    cmd += ["--port", str(port), "--json", str(report), "--tokens", "120", *extra]
+    # Its files in the test's folder (the default, a new folder under /tmp, would outlive the test).
+    cmd += ["--port", str(port), "--json", str(report), "--folder", str(tmp_path / "run"), "--tokens", "120", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, port, report
 

@@ -94,7 +94,8 @@ def linger(server: Served, seconds: float) -> None:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    folder = Path(tempfile.mkdtemp(prefix="steadfast-chaos-"))
+    folder = Path(args.folder) if args.folder else Path(tempfile.mkdtemp(prefix="steadfast-chaos-"))
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # (its log holds prompts: this user's alone)
     signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the server (its own session) is stopped too
     try:
         if args.scenario == SOAK:
@@ -151,6 +152,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--burst", type=int, default=200, help="overload: low-priority streams at once")
     p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    p.add_argument(
+        "--folder", default="", help="where the run keeps its server's log (default: a new steadfast-chaos-* folder)"
+    )
     p.add_argument(
         "--linger", type=float, default=0.0, help="keep the server up this long after the report (its dashboard)"
     )
