@@ -10,6 +10,7 @@ import time
 import torch
 
 from steadfast.config import Config
+from steadfast.kv.ledger.interface import LedgerError
 from steadfast.kv.pool.client import LeaseLostError
 from steadfast.util.failpoints import stall
 from steadfast.wire.queues import WorkerInbox, WorkerOutbox
@@ -66,6 +67,7 @@ class WorkerLoop:
         self._last_counts = (0, 0.0, 0)  # engine steps, step seconds, step tokens at the last report
         self.probe = 0  # the router's last Ping, answered in the next report
         self.cache_reporter = CacheReporter(worker_id)
+        self._held: list[RequestOutput] = []  # step outputs not sent yet: the lease was not confirmed
 
     def status(self, state: WorkerState) -> WorkerStatus:
         e = self.engine
@@ -142,13 +144,30 @@ class WorkerLoop:
                     for msg in messages:
                         self._handle(engine, msg)
             if engine.has_work:
-                outputs = self._step(engine)
-                if outputs:
-                    self.outbox.send(StepOutputs(self.worker_id, outputs, time.monotonic()))
+                self._send(engine, self._step(engine))
             if self.threads is not None:
                 self.threads.tick()
             self._report()
+        self._send(engine, [])
         self._report(force=True)
+
+    def _send(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        """A step's outputs go out only under a lease surely still held (`LeaseKeeper.check`: renewed at
+        once past its local term). A worker stopped mid-step past its lease finishes that step when
+        continued, and its tokens must not go before it learns it was fenced (seen on etcd: one token out
+        ahead of the keeper's refused renewal). A store that cannot answer holds them, in order, to the
+        next round."""
+        self._held.extend(outputs)
+        if not self._held:
+            return
+        if engine.sync is not None:
+            try:
+                engine.sync.lease.check()  # LeaseLostError: fenced, nothing goes out
+            except LedgerError as exc:
+                log.warning("lease not confirmed (%s): %d outputs held", exc, len(self._held))
+                return
+        self.outbox.send(StepOutputs(self.worker_id, self._held, time.monotonic()))
+        self._held = []
 
     def _handle(self, engine: Engine, msg: ToWorker) -> None:
         if isinstance(msg, AddRequest):

@@ -68,3 +68,38 @@ def test_a_flood_of_messages_cannot_keep_the_loop_from_stepping(small_config, sm
     batches = [[add(i)] for i in range(worker_loop.DRAIN_ROUNDS + 3)]
     held = run_loop(small_config, small_model, make_engine, batches)
     assert held[0] == worker_loop.DRAIN_ROUNDS  # it stepped after a bounded number of reads
+
+
+class Lease:
+    """A lease whose `check` raises what it is told to, once each."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+
+    def check(self) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+def test_step_outputs_go_only_under_a_lease_confirmed_held(small_config):
+    """A store that cannot answer holds a step's outputs (in order) to the next round; a lease found
+    fenced lets nothing out: a worker continued after SIGSTOP past its lease finishes the step it was in,
+    and that step's tokens must not reach the router."""
+    from types import SimpleNamespace
+
+    from steadfast.kv.ledger.interface import LedgerUnavailableError
+    from steadfast.kv.pool.client import LeaseLostError
+    from steadfast.wire.worker import RequestOutput
+
+    loop = worker_loop.WorkerLoop(small_config, 0, ScriptedInbox([]), Outbox(), WorkerRole.MIXED)
+    first, second = RequestOutput("r0", [5]), RequestOutput("r0", [6])
+    engine = SimpleNamespace(sync=SimpleNamespace(lease=Lease(LedgerUnavailableError("etcd busy"))))
+    loop._send(engine, [first])
+    assert loop.outbox.sent == []  # not confirmed: held
+    loop._send(engine, [second])
+    (sent,) = loop.outbox.sent
+    assert [o.token_ids for o in sent.outputs] == [[5], [6]]  # confirmed: both, in order
+    engine.sync.lease = Lease(LeaseLostError("fenced"))
+    with pytest.raises(LeaseLostError):
+        loop._send(engine, [RequestOutput("r0", [7])])
+    assert len(loop.outbox.sent) == 1  # nothing more went out

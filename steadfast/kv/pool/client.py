@@ -174,6 +174,7 @@ class LeaseKeeper:
         # leaves the ledger's expiry ahead of this local deadline.
         self.valid_until = time.monotonic() + ttl_s / 2
         self.lost: str | None = None
+        self._renewing = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
 
@@ -181,13 +182,15 @@ class LeaseKeeper:
         self._thread.start()
 
     def renew(self) -> None:
-        started = time.monotonic()
-        try:
-            self.ledger.renew_lease(self.worker, self.epoch, self.ttl_s)
-        except FencedError as exc:
-            self.lost = str(exc)
-            raise LeaseLostError(self.lost) from exc
-        self.valid_until = started + self.ttl_s / 2
+        # One renewal at a time on the keeper's connection: its thread's and the engine loop's (`check`).
+        with self._renewing:
+            started = time.monotonic()
+            try:
+                self.ledger.renew_lease(self.worker, self.epoch, self.ttl_s)
+            except FencedError as exc:
+                self.lost = str(exc)
+                raise LeaseLostError(self.lost) from exc
+            self.valid_until = started + self.ttl_s / 2
 
     def check(self) -> None:
         """Raise unless the lease is surely still ours; renew at once if it is about to lapse."""
