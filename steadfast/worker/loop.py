@@ -145,6 +145,8 @@ class WorkerLoop:
                         self._handle(engine, msg)
             if engine.has_work:
                 self._send(engine, self._step(engine))
+            elif self._held:
+                self._send(engine, [])  # (idle: the held ones are tried again each round)
             if self.threads is not None:
                 self.threads.tick()
             self._report()
