@@ -171,7 +171,8 @@ class Launcher:
             # Its workers' addresses are known before they start: the router's ~2 s of imports overlap
             # the zygote's model load (it places nothing until a worker reports).
             self._spawn(self._router_spec(active, [i for i in range(len(placed)) if i not in active]))
-        self._zygote_ready()
+        if self.zygote is not None:  # (workers are exec'd if it fails)
+            self.zygote.ready(timeout=self.cfg.server.startup_timeout_s)
         if self.cluster is not None:  # a node: its workers join the router through its record in etcd
             assert self.cluster.membership is not None
             try:
@@ -199,7 +200,7 @@ class Launcher:
 
     def _start_zygote(self) -> None:
         """With `model.fork_workers`, the process every worker is forked from; it builds the node's weight
-        store (or maps it) before the first worker starts (`_zygote_ready`). Without it, or if it fails,
+        store (or maps it) before the first worker starts (`start` waits for it). Without it, or if it fails,
         workers are exec'd."""
         model = self.cfg.model
         if not (model.shared_weights and model.fork_workers and self.arena_folder is not None):
@@ -209,11 +210,6 @@ class Launcher:
             return
         self.zygote = Zygote(self._cfg_json, self.arena_folder.path)
         self._spawn_zygote()
-
-    def _zygote_ready(self) -> None:
-        """Wait for the zygote started by `_start_zygote`, if any (workers are exec'd if it fails)."""
-        if self.zygote is not None:
-            self.zygote.ready(timeout=self.cfg.server.startup_timeout_s)
 
     def _spawn_zygote(self) -> Child:
         assert self.zygote is not None
