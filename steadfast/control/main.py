@@ -16,6 +16,7 @@ from steadfast.cluster.members import ROUTER_TTL_S, Members, RouterRecord
 from steadfast.cluster.membership import Membership
 from steadfast.config import config_from_dict, env
 from steadfast.control.fleet.client import EngineClient
+from steadfast.control.fleet.parts import FleetParts
 from steadfast.control.http.access import own_names
 from steadfast.control.http.api import create_app
 from steadfast.control.http.dashboard import Dashboard
@@ -51,6 +52,17 @@ async def serve(
     model_cfg = read_config(reader)
     srv = cfg.server
     metrics = Metrics()
+    keys = KeyFile.load(cluster_keys, ClusterSide.ROUTER) if cluster_keys else None
+    parts = FleetParts.make(output, keys, cfg.routing, cfg.cache.block_size)
+    degradation = Degradation(
+        cfg.degradation,
+        cfg.slo,
+        cfg.scheduler,
+        cfg.cache.block_size,
+        Sources(parts.registry, parts.in_flight, parts.hub.broadcast, parts.cached_on),
+        on_change=metrics.level_changed,
+        on_refuse=metrics.refused,
+    )
     client = EngineClient(
         workers,
         output,
@@ -66,10 +78,13 @@ async def serve(
         health=cfg.health,
         routing=cfg.routing,
         scheduler=cfg.scheduler,
-        keys=KeyFile.load(cluster_keys, ClusterSide.ROUTER) if cluster_keys else None,
+        keys=keys,
         startup_timeout_s=srv.startup_timeout_s,
         on_handoff=metrics.handoff,
         on_migration=metrics.migration,
+        parts=parts,
+        # KV-aware routing weighs a prompt's cached prefix against each worker's load as the ladder models it.
+        loads=lambda rid: {load.worker_id: load for load in degradation.loads(exclude=rid)},
     )
     await client.start()
     tasks = []
@@ -88,21 +103,10 @@ async def serve(
         metrics=metrics,
         signer=ResumeSigner(env.resume_key()),
         limits=Limits(srv.max_messages, srv.max_prompt_chars, srv.max_pending_requests),
+        degradation=degradation,
         keepalive_s=srv.sse_keepalive,
     )
-    ctx.degradation = Degradation(
-        cfg.degradation,
-        cfg.slo,
-        cfg.scheduler,
-        cfg.cache.block_size,
-        Sources(client.registry, client.flights, client.hub.broadcast, client.router.cached_on),
-        on_change=ctx.metrics.level_changed,
-        on_refuse=ctx.metrics.refused,
-    )
-    degradation = ctx.degradation
-    # KV-aware routing weighs a prompt's cached prefix against each worker's load as the ladder models it.
-    client.router.loads = lambda rid: {load.worker_id: load for load in degradation.loads(exclude=rid)}
-    ladder = asyncio.create_task(ctx.degradation.run())
+    ladder = asyncio.create_task(degradation.run())
     shutdown = Shutdown()
     guard = GuardConfig(
         srv.api_key,

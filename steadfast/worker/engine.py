@@ -66,12 +66,13 @@ class Engine:
             cfg.cache.enable_prefix_caching,
             source=source,
             grant_batch=cfg.cache.pool_grant_batch,
+            on_evict=self._write_evicted if tier is not None else None,
         )
         self.sync = sync
         self.spec = Speculator(cfg.speculative)
         self.orders = Degrade()  # the degradation ladder's, L0 until the router says otherwise
         self.nonfinite_failpoint = ""  # a fault test's: this worker's logits turn non-finite (failpoints.broken)
-        self.offload: Offloader | None = None
+        self.offload: Offloader | None = None  # (made after the blocks it copies: `_write_evicted` reaches it)
         if tier is not None:
             book = LedgerSlots(sync, tier.kind) if sync is not None else LocalSlots(tier.num_slots)
             self.offload = Offloader(tier, arena, self.blocks, book, cfg.cache.tier_slots(arena.spec.num_blocks))
@@ -229,6 +230,12 @@ class Engine:
             self.offload.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
+
+    def _write_evicted(self, named: list[tuple[int, bytes]]) -> None:
+        """Cached blocks going back to the pool, which may hand them to another worker at once: the tier
+        copies them first."""
+        if self.offload is not None:
+            self.offload.write_now(named)
 
     def collect_moves(self) -> None:
         """Hear how KV moves ended (transfers, migrations across nodes): the requests that left are let

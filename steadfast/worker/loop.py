@@ -51,6 +51,7 @@ class WorkerLoop:
         outbox: WorkerOutbox,
         role: WorkerRole,
         threads: ThreadGovernor | None = None,
+        node: str = "",
     ) -> None:
         self.cfg = cfg
         self.threads = threads  # None: a fixed thread count (threads_per_worker, STEADFAST_THREADS)
@@ -59,7 +60,7 @@ class WorkerLoop:
         self.outbox = outbox
         self.role = role
         self.engine: Engine | None = None
-        self.node = ""  # the node's pool address: workers sharing it hand KV over in place
+        self.node = node  # the node's pool address: workers sharing it hand KV over in place
         self.stopping = False  # asked to leave (SIGTERM, Retire): it goes once its requests have moved
         self._leave_by = 0.0  # ...or at this time (monotonic) whatever is left
         self._failpoint = f"worker{worker_id}_step"

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
     zap = guard(ctx, keys.peers) if keys is not None else None
     outbox = WorkerOutbox(ctx, args.output, keys)
     inbox = WorkerInbox(ctx, args.input, keys)
-    loop = WorkerLoop(cfg, args.worker_id, inbox, outbox, args.role, governor)
+    loop = WorkerLoop(cfg, args.worker_id, inbox, outbox, args.role, governor, args.pool or "")
 
     def on_term(signum: int, frame: object) -> None:
         loop.leave()  # its next status report says STOPPING: the router drains it
@@ -133,7 +133,6 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> No
         sender, receiver = _other_nodes(cfg, arena, args.pool, pool, sync, side, keys)
         tier = TierFile.attach(reply.tier, reply.tier_path, arena.spec) if reply.tier_path else None
         engine = Engine(cfg, loaded, arena, source=pool, sync=sync, sender=sender, receiver=receiver, tier=tier)
-        loop.node = args.pool
     elif args.device_arena:
         spec = arena_spec(cfg, loaded.model_cfg)
         engine = Engine(cfg, loaded, KVArena.create_device(spec, cfg.model.resolved_device))

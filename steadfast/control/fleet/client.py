@@ -20,7 +20,6 @@ from steadfast.config import HealthConfig, MigrationConfig, RoutingConfig, Sched
 from steadfast.control.fleet.delivery import Flight, Quiet, Verdict, Watermark, log_fault, wanted
 from steadfast.control.fleet.handoff import Handoffs
 from steadfast.control.fleet.health import HealthMonitor
-from steadfast.control.fleet.hub import Hub
 from steadfast.control.fleet.maintenance import Maintenance
 from steadfast.control.fleet.migration import (
     MigrationReason,
@@ -28,14 +27,15 @@ from steadfast.control.fleet.migration import (
     Migrations,
 )
 from steadfast.control.fleet.migration_start import MigrationStart
+from steadfast.control.fleet.parts import FleetParts
 from steadfast.control.fleet.placement import Placement
 from steadfast.control.fleet.recovery import Recovery, Takeover
 from steadfast.control.fleet.resume import Known, Resumption, Turns
 from steadfast.control.fleet.roster import Roster
-from steadfast.control.fleet.routing import Router
+from steadfast.control.fleet.routing import Loads, Router
 from steadfast.control.fleet.timeline import Timeline
 from steadfast.control.fleet.watch import Watch
-from steadfast.control.fleet.workers import WorkerHandle, WorkerRegistry
+from steadfast.control.fleet.workers import WorkerHandle
 from steadfast.util.log import about
 from steadfast.wire.curve import KeyFile
 from steadfast.wire.worker import (
@@ -85,24 +85,28 @@ class EngineClient:
         startup_timeout_s: float = 180.0,
         on_handoff: Callable[[Handoff], None] = lambda h: None,
         on_migration: Callable[[MigrationRecord], None] = lambda r: None,
+        parts: FleetParts | None = None,
+        loads: Loads | None = None,
     ) -> None:
         """`workers`: (id, input address, role) of each worker. `ledger_urls`: each node's ledger,
         where a restarted router finds requests it never saw (to resume them for reconnecting clients).
         `keys`: a router part's, whose workers are on other hosts: every queue is CURVE over TCP.
         `startup_timeout_s`: a new worker's time to be ready; `on_handoff`, `on_migration`: metrics, told
-        of each handoff and of each migration that ended."""
+        of each handoff and of each migration that ended. `parts`: shared with the ladder (default: made
+        here); `loads`: the ladder's view of each worker's load, for KV-aware routing."""
         self.output_address = output_address
         self.status_interval_s = status_interval_s
         self.request_timeout_s = request_timeout_s
         takeover = takeover or TakeoverConfig()
-        self.registry = WorkerRegistry()
-        self.hub = Hub(self.registry, output_address, keys)
+        parts = parts or FleetParts.make(output_address, keys, routing or RoutingConfig(), block_size)
+        self.registry = parts.registry
+        self.hub = parts.hub
         for worker_id, address, role in workers:
             self.hub.add(worker_id, address, role)
         self.health = HealthMonitor(health or HealthConfig())
-        self.router = Router(routing or RoutingConfig(), scheduler or SchedulerConfig(), block_size)
+        self.router = Router(routing or RoutingConfig(), scheduler or SchedulerConfig(), block_size, parts.index, loads)
         self.placement = Placement(self.registry, takeover, max_in_flight, self.router, self.health)
-        self._flights: dict[str, Flight] = {}
+        self._flights = parts.flights
         self._tasks: list[asyncio.Task[None]] = []
         self.migrations = Migrations(migration or MigrationConfig(), self.registry, block_size)
         # The supervisor, asked for new workers by a rollout (absent: a router started by hand).

@@ -66,6 +66,15 @@ class CacheIndex:
             n += 1
         return n
 
+    def cached_tokens(
+        self, worker_id: int, prompt: Sequence[int], block_size: int, names: Sequence[bytes] | None = None
+    ) -> int:
+        """Tokens of `prompt` the worker holds cached, as its cache events told (the last token is always
+        computed: it gives the first output's logits). `names`: the prompt's, if chained already."""
+        if names is None:
+            names = chain(prompt, block_size, len(prompt) // block_size)
+        return min(self.cached_blocks(worker_id, names) * block_size, max(0, len(prompt) - 1))
+
 
 @dataclass
 class Candidate:
@@ -83,18 +92,30 @@ class Decision:
     candidates: list[Candidate]
 
 
+# Each worker's load as the ladder models it (step cost, queue, running), without the request being placed
+# (by its id).
+Loads = Callable[[str], dict[int, WorkerLoad]]
+
+
 class Router:
-    def __init__(self, cfg: RoutingConfig, sched: SchedulerConfig, block_size: int) -> None:
+    def __init__(
+        self,
+        cfg: RoutingConfig,
+        sched: SchedulerConfig,
+        block_size: int,
+        index: CacheIndex | None = None,
+        loads: Loads | None = None,
+    ) -> None:
+        """`index`: the workers' cached blocks, shared with the ladder (default: a new one); `loads`: the
+        ladder's (None: loads unknown, counted by requests in flight)."""
         self.cfg = cfg
         self.policy = cfg.resolved_policy
         self.sched = sched
         self.block_size = block_size
-        self.index = CacheIndex(cfg.max_index_blocks)
+        self.index = index if index is not None else CacheIndex(cfg.max_index_blocks)
         self.decisions: deque[Decision] = deque(maxlen=cfg.history)
         self._turn = itertools.count()
-        # Each worker's load as the ladder models it (step cost, queue, running), without the request being
-        # placed (by id); set by the router's assembly. None: loads unknown, counted by requests in flight.
-        self.loads: Callable[[str], dict[int, WorkerLoad]] | None = None
+        self.loads = loads
         self.cached_tokens = 0  # prompt tokens found cached where requests were sent
         self.prompt_tokens = 0
 
@@ -128,12 +149,7 @@ class Router:
         return chosen
 
     def cached_on(self, worker_id: int, prompt: Sequence[int]) -> int:
-        """Tokens of `prompt` the worker holds cached, as its cache events told (the last token is always
-        computed: it gives the first output's logits)."""
-        return self._cached(worker_id, prompt, chain(prompt, self.block_size, len(prompt) // self.block_size))
-
-    def _cached(self, worker_id: int, prompt: Sequence[int], names: list[bytes]) -> int:
-        return min(self.index.cached_blocks(worker_id, names) * self.block_size, max(0, len(prompt) - 1))
+        return self.index.cached_tokens(worker_id, prompt, self.block_size)
 
     def _kv_aware(
         self,
@@ -147,7 +163,7 @@ class Router:
         measured = all(w.worker_id in loads and loads[w.worker_id].measured for w in candidates)
         scored = []
         for w in candidates:
-            cached = self._cached(w.worker_id, prompt, names)
+            cached = self.index.cached_tokens(w.worker_id, prompt, self.block_size, names)
             new = len(prompt) - cached
             load = loads.get(w.worker_id)
             if measured and load is not None:

@@ -71,13 +71,12 @@ def server_keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 def measure(url: str, w: Workload, key: str, model: str, label: str, console: Console) -> tuple[list[Sample], float]:
-    gen = LoadGenerator(url, w, key, model)
     total = w.requests * w.turns
     with Progress(
         TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as bar:
         task = bar.add_task("requests", total=total)
-        gen.on_sample = lambda _: bar.advance(task)
+        gen = LoadGenerator(url, w, key, model, on_sample=lambda _: bar.advance(task))
         samples = asyncio.run(gen.run())
     return samples, gen.wall_s
 

@@ -125,11 +125,19 @@ def words(rng: random.Random, n: int, tag: str) -> str:
 
 
 class LoadGenerator:
-    def __init__(self, url: str, workload: Workload, api_key: str = "", model: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        workload: Workload,
+        api_key: str = "",
+        model: str = "",
+        on_sample: Callable[[Sample], None] | None = None,
+    ) -> None:
+        """`on_sample`: told of each request as it ends (progress)."""
         self.url, self.w, self.model = url.rstrip("/"), workload, model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.samples: list[Sample] = []
-        self.on_sample: Callable[[Sample], None] | None = None  # progress
+        self.on_sample = on_sample
         self.wall_s = 0.0
         self.in_flight = 0  # requests sent and not ended
 

@@ -27,8 +27,19 @@ class BlockSource(Protocol):
     def release(self, block_ids: list[int]) -> None: ...
 
 
+# With an offload tier: the call that copies cached blocks (block, name) out before they go back to the pool.
+OnEvict = Callable[[list[tuple[int, bytes]]], object]
+
+
 class BlockCache:
-    def __init__(self, num_blocks: int, block_size: int, source: BlockSource | None = None, grant_batch: int = 64):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        source: BlockSource | None = None,
+        grant_batch: int = 64,
+        on_evict: OnEvict | None = None,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -48,10 +59,10 @@ class BlockCache:
         # Blocks held outside any table: copies to or from the offload tier in flight (block -> count).
         self._pins: dict[int, int] = {}
         # With an offload tier: cached blocks about to be reused (block, name), for the tier to copy
-        # before their bytes change (`evicted`, flushed by the engine before its forward pass), and the
-        # call that copies the ones given back to the pool before they go.
+        # before their bytes change (`evicted`, flushed by the engine before its forward pass); those given
+        # back to the pool are copied at once (`on_evict`).
         self.evicted: list[tuple[int, bytes]] = []
-        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
+        self.on_evict = on_evict
 
     # --- queries -------------------------------------------------------------------------------
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 from steadfast.kv.names import ROOT_HASH, block_hash, chain
-from steadfast.worker.core.block_cache import BlockCache, BlockSource
+from steadfast.worker.core.block_cache import BlockCache, BlockSource, OnEvict
 from steadfast.worker.core.block_types import BlockEvent
 
 
@@ -23,11 +23,13 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         source: BlockSource | None = None,
         grant_batch: int = 64,
+        on_evict: OnEvict | None = None,
     ) -> None:
+        """`on_evict`: with an offload tier, what copies cached blocks out before the pool takes them."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.cache = BlockCache(num_blocks, block_size, source, grant_batch)
+        self.cache = BlockCache(num_blocks, block_size, source, grant_batch, on_evict)
         self.blocks = self.cache.blocks
         self.events = self.cache.events
         self._tables: dict[str, list[int]] = {}

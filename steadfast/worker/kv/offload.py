@@ -111,7 +111,6 @@ class Offloader:
         # until its blocks are back in the arena.
         self._swapped: dict[str, set[bytes]] = {}
         self._kept: dict[bytes, int] = {}  # name -> how many swapped requests hold it
-        blocks.cache.on_evict = self._write_now
         self._thread = threading.Thread(target=self._run, name="kv-offload", daemon=True)
         self._thread.start()
 
@@ -229,9 +228,9 @@ class Offloader:
         them not written ahead yet are copied out now, so an eviction loses nothing the tier can hold."""
         evicted, self.blocks.cache.evicted = self.blocks.cache.evicted, []
         if evicted:
-            self._write_now(evicted)
+            self.write_now(evicted)
 
-    def _write_now(self, named: list[tuple[int, bytes]]) -> int:
+    def write_now(self, named: list[tuple[int, bytes]]) -> int:
         """Copy these (block, name) out on this thread, those the tier lacks; returns how many it holds."""
         writing = set(self._writing.names) if self._writing is not None else set()
         first = {n: b for b, n in reversed(named)}  # one copy per name
@@ -257,7 +256,7 @@ class Offloader:
         reuses them within this step). Returns how many of them the tier holds (the rest are recomputed)."""
         table = self.blocks.block_table(request.request_id)
         named = [(b, h) for b in table if (h := self.blocks.blocks[b].hash) is not None]
-        held = self._write_now(named)
+        held = self.write_now(named)
         if held:
             self._keep(request.request_id, {n for _, n in named})
         return held
