@@ -100,7 +100,7 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 def bench_steadfast(args: argparse.Namespace, extra_yaml: str = "", code_dir: str = "") -> dict[int, dict]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
-    cfg = f"model: {{dtype: {args.dtype}}}\ncache: {{kv_memory_mb: 2048}}\n{extra_yaml}"
+    cfg = f"model: {{dtype: {args.dtype}}}\ncache: {{kv_memory_mb: 2048}}\n{args.config}\n{extra_yaml}"
     server = ServerProcess(tmp, cfg, code_dir=code_dir)
     out: dict[int, dict] = {}
     try:
@@ -226,6 +226,13 @@ def main() -> None:
         type=int,
         default=1,
         help="alternate Steadfast and the baseline this many times; the ratios of each round and their median",
+    )
+    p.add_argument(
+        "--config",
+        default="",
+        metavar="YAML",
+        help="config added to every Steadfast served (flow-style YAML), e.g. 'degradation: {enabled: false}' "
+        "to measure throughput where the ladder would shed a closed loop's load",
     )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving.json"))
     args = p.parse_args()

@@ -20,7 +20,7 @@ from steadfast.control.http.metrics import Metrics
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.resume_token import ResumeSigner, body_digest
 from steadfast.control.ladder.degrade import Degradation
-from steadfast.control.ladder.plan import Notice, Refusal
+from steadfast.control.ladder.plan import Notice, Plan, Refusal
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.wire.worker import PRIORITIES, AddRequest, Priority, RequestOutput, SamplingParams
 
@@ -104,26 +104,41 @@ async def admit(
     rid = f"{prefix}-{uuid.uuid4().hex}"
     prepared = prepare(ctx, body, prompt_ids, max_tokens, rid)  # bad input is a 400 before any ladder decision
     ladder = ctx.degradation
-    if ladder is None or resuming:
-        return prepared
-    plan = ladder.plan(rid, Priority[body.priority.upper()], prompt_ids, prepared.add.params.max_tokens)
-    if isinstance(plan, Refusal):
-        raise refusal_error(plan)
-    if not plan.level:
-        return prepared
-    try:
-        notice = Notice(int(plan.level))
-        if plan.context_cap and len(prompt_ids) > plan.context_cap:
-            before = len(prompt_ids)
-            prompt_ids, notice.dropped_messages = await cut(plan.context_cap)
-            notice.truncated_tokens = before - len(prompt_ids)
-        if plan.max_tokens_cap and (max_tokens is None or max_tokens > plan.max_tokens_cap):
-            max_tokens = notice.max_tokens = plan.max_tokens_cap
-        if notice.truncated_tokens or notice.max_tokens:
-            prepared = prepare(ctx, body, prompt_ids, max_tokens, rid)
-    except BaseException:
-        ladder.ended(rid)
-        raise
+    if ladder is not None and not resuming:
+        plan = ladder.plan(rid, Priority[body.priority.upper()], prompt_ids, prepared.add.params.max_tokens)
+        if isinstance(plan, Refusal):
+            raise refusal_error(plan)
+        if plan.level:
+            try:
+                prepared = await shorten(ctx, body, prompt_ids, max_tokens, cut, plan, prepared)
+            except BaseException:
+                ladder.ended(rid)
+                raise
+    # Signed once admitted: a refused request's body is never digested (4-5 % of a refusal's router samples).
+    prepared.resume_token = ctx.signer.token(rid, body_digest(body))
+    return prepared
+
+
+async def shorten(
+    ctx: ServingContext,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    cut: Cutter,
+    plan: Plan,
+    prepared: Prepared,
+) -> Prepared:
+    """Admitted at a level of the ladder (`plan.level` > 0): the prompt and max_tokens cut to its caps,
+    and the notice the client is told."""
+    notice = Notice(int(plan.level))
+    if plan.context_cap and len(prompt_ids) > plan.context_cap:
+        before = len(prompt_ids)
+        prompt_ids, notice.dropped_messages = await cut(plan.context_cap)
+        notice.truncated_tokens = before - len(prompt_ids)
+    if plan.max_tokens_cap and (max_tokens is None or max_tokens > plan.max_tokens_cap):
+        max_tokens = notice.max_tokens = plan.max_tokens_cap
+    if notice.truncated_tokens or notice.max_tokens:
+        prepared = prepare(ctx, body, prompt_ids, max_tokens, prepared.request_id)
     prepared.notice = notice
     return prepared
 
@@ -188,8 +203,7 @@ def prepare(
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])
-    token = ctx.signer.token(rid, body_digest(body))
-    return Prepared(rid, prompt_ids, add, include_usage, body.return_token_ids, token)
+    return Prepared(rid, prompt_ids, add, include_usage, body.return_token_ids)
 
 
 def check_model(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:

@@ -240,11 +240,11 @@ class Degradation:
             prompt, prompt_tokens = (), self.cfg.max_context_tokens
         if shortened:
             output_tokens = min(output_tokens, self.cfg.max_tokens_cap)
+        if level >= Level.L5:  # (before any prediction: the breaker's refusals are the cheapest)
+            self._check_breaker(loads, priority, level)
         # Each worker's cached part of the prompt, looked up once (a chain of block hashes).
         cached = {w.worker_id: self.src.cached(w.worker_id, prompt) for w in loads} if prompt else {}
         predicted, worker = self._predict(loads, prompt_tokens, priority, cached)
-        if level >= Level.L5:
-            self._check_breaker(loads, priority, level)
         # Refused by prediction, lowest priority first: by TTFT low against its p50 target, normal against
         # its p99; by TPOT low from L1, normal once its SLO stayed broken through L1-L3 (L4); high never.
         # TPOT predictions refuse only once checked against measurements; TTFT ones before, at their most
