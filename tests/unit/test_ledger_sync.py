@@ -128,3 +128,36 @@ def test_aborts_after_the_store_failed_wait_for_the_next_checkpoint_instead_of_r
     monkeypatch.setattr(sqlite_ledger, "stall", lambda name: None)  # the store is back
     sync.after_step([], NO_BLOCKS)
     assert [r.phase for r in ledger.requests()] == ["finished"] * 3
+
+
+def test_a_takeover_adopts_a_dead_workers_blocks_never_those_handed_to_it_for_another_request(node):
+    """Found by the soak (seed 7, default model): a migration handed a request's sealed blocks to this
+    worker in the ledger; before its handoff reached the engine, a takeover of another request with the
+    same prompt prefix looked the names up, found those blocks (ours in the ledger, not held) and
+    adopted them; the handoff's claim then found them held and the worker died. Only blocks nobody owns
+    (a dead worker's, reclaimed) may be adopted."""
+    ledger, sync = node  # w0: the worker taking over
+    digests = {}
+    sync.arena = SimpleNamespace(digest=lambda block: digests[block])  # bytes intact: they hash as sealed
+
+    def sealed_by(worker: str, pid: int, names: list[bytes]) -> tuple[int, list[int]]:
+        epoch = ledger.acquire_lease(worker, pid, ttl_s=60).epoch
+        blocks = ledger.grant(worker, epoch, len(names))
+        for b in blocks:
+            digests[b] = f"hash-{b}".encode()
+        ledger.seal(worker, epoch, [(b, digests[b], n) for b, n in zip(blocks, names, strict=True)])
+        return epoch, blocks
+
+    names = [b"prefix-block-0", b"prefix-block-1"]
+    # w1 migrates a request to w0 on this node: its blocks are w0's in the ledger, the claim on its way.
+    epoch, handed = sealed_by("w1", 2, names)
+    ledger.hand_over("w1", epoch, handed, "w0", request_id="migrated", move="migrated/migration-1")
+    assert {r.owner for r in ledger.sealed_with_content(names)} == {"w0"}
+    assert sync.adoptable(names, lambda pos: False) == []  # not adopted for the taken-over request
+
+    # The same prefix left sealed by a dead worker: that is what a takeover adopts.
+    epoch, left = sealed_by("w2", 3, names)
+    ledger.fence("w2")
+    ledger.reclaim("w2")
+    plan = sync.adoptable(names, lambda pos: False)
+    assert [(pos, block) for pos, block, _ in plan] == [(0, left[0]), (1, left[1])]

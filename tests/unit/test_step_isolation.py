@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from steadfast.wire.worker import AddRequest, FinishReason, SamplingParams
+from steadfast.wire.worker import AddRequest, FinishReason, Handoff, Resume, SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -47,3 +47,34 @@ def test_a_failure_every_request_reproduces_is_raised(small_config, small_model,
         engine.step()
     assert len(calls) == 3  # the step, then each request alone
     assert set(engine.requests) == {"r0", "r1"}  # (the worker's loop fails them all, as before)
+
+
+def test_a_handoff_naming_blocks_held_here_is_computed_afresh_and_the_worker_goes_on(
+    small_config, small_model, make_engine
+):
+    """A handoff whose blocks this worker holds already (the soak's seed 7: adopted for another request
+    before the handoff's claim) cannot be trusted: that request is computed here from what its client
+    holds, token-exactly, and the request holding the blocks goes on; nothing raises out of the loop."""
+    tok = small_model.tokenizer
+    first, second = tok.encode("The capital of France is"), tok.encode("Once upon a time, in a land far away,")
+    reference = make_engine(small_config, small_model).generate([greedy("a", first), greedy("b", second)])
+    want_b = [t for o in reference["b"] for t in o.token_ids]
+
+    engine = make_engine(small_config, small_model)
+    engine.add_request(greedy("a", first))
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    for out in engine.step():
+        got[out.request_id] += out.token_ids
+    held = engine.blocks.block_table("a")
+    assert held
+    client_has = want_b[:3]
+    handoff = Handoff(0, block_ids=list(held), num_computed=len(second) + len(client_has) - 1, path="same_node")
+    engine.add_request(
+        AddRequest("b", second, greedy("b", second).params, handoff=handoff, resume=Resume(client_has, 0))
+    )
+    while engine.has_work:
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert got["b"] == want_b[3:]
+    assert got["a"] == [t for o in reference["a"] for t in o.token_ids]
+    engine.blocks.check_integrity()

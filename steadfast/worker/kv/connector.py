@@ -127,6 +127,18 @@ class KVConnector:
                 self.blocks.source.release(h.block_ids)
             request.output_ids = []
             return False
+        held = [b for b in h.block_ids if self.blocks.cache.holds(b)] if h.path == "same_node" else []
+        if held:
+            # Handed blocks this worker holds already cannot be this request's too: its KV is not trusted,
+            # the request is computed here afresh (the worker and its other requests go on).
+            log.error(
+                "request %s: handed KV blocks %s are held here already; computing the prompt",
+                msg.request_id,
+                held[:8],
+                extra=about(msg.request_id),
+            )
+            request.output_ids = []
+            return False
         if self.sync is not None:
             self.sync.received(sealed)
         self.blocks.receive(request.request_id, request.all_ids, h.block_ids, h.num_computed, set(sealed))
