@@ -170,7 +170,11 @@ def main() -> None:
     gc.freeze()  # what is built now is never collected: the collector would dirty its shared pages
     seconds = since_process_start()
     log.info("ready in %.1fs: forks workers %s", seconds, "with the model built" if loaded else "after imports")
-    control.send(encode(ZygoteReady(seconds)))
+    try:
+        control.send(encode(ZygoteReady(seconds)))
+    except OSError:  # its socket closed while it loaded: a rollout started a newer zygote
+        log.info("the supervisor no longer listens (another zygote replaced this one); exiting")
+        return
     serve(control, loaded, args.config_json, args.weights_dir)
 
 
