@@ -137,6 +137,8 @@ class KVConnector:
                 held[:8],
                 extra=about(msg.request_id),
             )
+            if self.blocks.source is not None:  # the rest came for this request alone: back to the pool
+                self.blocks.source.release([b for b in h.block_ids if b not in held])
             request.output_ids = []
             return False
         if self.sync is not None:
