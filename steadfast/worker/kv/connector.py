@@ -104,8 +104,8 @@ class KVConnector:
             key = h.migration or msg.request_id  # a migration's KV is kept under its move's name
             claimed = self.receiver.claim(key) if self.receiver is not None else None
             if claimed is None or claimed != h.block_ids:
-                if claimed and self.blocks.source is not None:
-                    self.blocks.source.release(claimed)
+                if claimed and self.blocks.cache.source is not None:
+                    self.blocks.cache.source.release(claimed)
                 log.warning(
                     "request %s: transferred KV not found here; computing the prompt",
                     msg.request_id,
@@ -123,8 +123,8 @@ class KVConnector:
                 h.num_computed,
                 request.num_tokens,
             )
-            if self.blocks.source is not None:
-                self.blocks.source.release(h.block_ids)
+            if self.blocks.cache.source is not None:
+                self.blocks.cache.source.release(h.block_ids)
             request.output_ids = []
             return False
         held = [b for b in h.block_ids if self.blocks.cache.holds(b)] if h.path == "same_node" else []
@@ -137,8 +137,8 @@ class KVConnector:
                 held[:8],
                 extra=about(msg.request_id),
             )
-            if self.blocks.source is not None:  # the rest came for this request alone: back to the pool
-                self.blocks.source.release([b for b in h.block_ids if b not in held])
+            if self.blocks.cache.source is not None:  # the rest came for this request alone: back to the pool
+                self.blocks.cache.source.release([b for b in h.block_ids if b not in held])
             request.output_ids = []
             return False
         if self.sync is not None:
@@ -153,8 +153,8 @@ class KVConnector:
 
     def refuse(self, msg: AddRequest) -> None:
         """A request handed to us that we reject: blocks handed over in the ledger go back."""
-        if msg.handoff is not None and msg.handoff.block_ids and self.blocks.source is not None:
-            self.blocks.source.release(msg.handoff.block_ids)
+        if msg.handoff is not None and msg.handoff.block_ids and self.blocks.cache.source is not None:
+            self.blocks.cache.source.release(msg.handoff.block_ids)
 
     def begin(self, request: Request, msg: AddRequest) -> None:
         """A prompt to compute here and decode elsewhere: open its move (streamed when across nodes)."""
