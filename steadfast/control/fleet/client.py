@@ -99,6 +99,7 @@ class EngineClient:
         self.request_timeout_s = request_timeout_s
         takeover = takeover or TakeoverConfig()
         parts = parts or FleetParts.make(output_address, keys, routing or RoutingConfig(), block_size)
+        self.parts = parts
         self.registry = parts.registry
         self.hub = parts.hub
         for worker_id, address, role in workers:
@@ -305,7 +306,7 @@ class EngineClient:
             mark.text_chars = request.resume.text_chars
         flight = Flight(request, asyncio.Queue(), mark)
         if request.resume is None:
-            flight.cached = self.router.cached_on(worker.worker_id, request.prompt_ids)
+            flight.cached = self.parts.cached_on(worker.worker_id, request.prompt_ids)
         self._flights[rid] = flight
         self.resumption_records.forget(rid)
         worker.in_flight.add(rid)

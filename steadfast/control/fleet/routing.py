@@ -148,9 +148,6 @@ class Router:
             self.decisions.append(Decision(time.time(), request_id, self.policy.value, chosen.worker_id, scored))
         return chosen
 
-    def cached_on(self, worker_id: int, prompt: Sequence[int]) -> int:
-        return self.index.cached_tokens(worker_id, prompt, self.block_size)
-
     def _kv_aware(
         self,
         candidates: list[WorkerHandle],
