@@ -101,7 +101,7 @@ class Engine:
         return not self.scheduler.has_work and not self._pending and self.kv.busy
 
     def add_request(self, msg: AddRequest) -> None:
-        if msg.request_id in self.requests:
+        if msg.request_id in self.requests and not self._superseded(msg):
             self._reject(msg, f"request id {msg.request_id} is already in flight")
             return
         total = len(msg.prompt_ids) + msg.params.max_tokens
@@ -128,6 +128,21 @@ class Engine:
             return
         self._admit(request, detok)
         self.scheduler.add(request)
+
+    def _superseded(self, msg: AddRequest) -> bool:
+        """A resume of a request that still runs here (its router restarted and stopped the run the
+        ledger named, another worker's): the router's newest order wins, so this run stops and the
+        request continues from what its client holds. A plain add with a live id stays refused."""
+        if msg.resume is None:
+            return False
+        log.warning(
+            "request %s resumed at token %d while it runs here: this run stops, the resume goes on",
+            msg.request_id,
+            len(msg.resume.output_ids),
+            extra=about(msg.request_id),
+        )
+        self.abort(msg.request_id)
+        return msg.request_id not in self.requests
 
     def take_pending(self) -> list[RequestOutput]:
         """Outputs made outside a step (a migration's answer): sent now rather than after the next step."""

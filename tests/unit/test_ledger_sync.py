@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
 
 from steadfast.config import Config
 from steadfast.kv.ledger import sqlite_requests as sqlite_ledger  # (where a checkpoint calls `stall`)
-from steadfast.kv.ledger.interface import LedgerUnavailableError
+from steadfast.kv.ledger.interface import BlockRecord, BlockState, LedgerUnavailableError
 from steadfast.kv.ledger.open import open_ledger, sqlite_url
 from steadfast.kv.pool.client import LeaseLostError
 from steadfast.wire.worker import FinishReason, SamplingParams
+from steadfast.worker.core.block_types import BlockEvent
 from steadfast.worker.core.request import Request, Status
 from steadfast.worker.kv import ledger_sync
 from steadfast.worker.kv.ledger_sync import LedgerSync
@@ -161,3 +163,81 @@ def test_a_takeover_adopts_a_dead_workers_blocks_never_those_handed_to_it_for_an
     ledger.reclaim("w2")
     plan = sync.adoptable(names, lambda pos: False)
     assert [(pos, block) for pos, block, _ in plan] == [(0, left[0]), (1, left[1])]
+
+
+def block(ledger, block_id: int) -> BlockRecord:  # noqa: ANN001 - a ledger
+    return next(r for r in ledger.blocks() if r.block_id == block_id)
+
+
+@pytest.mark.parametrize("comes_back", ["handed", "adopted"])
+def test_a_block_released_and_back_before_the_next_sync_is_unsealed_and_sealed_again_in_order(node, comes_back):
+    """Found by the soak (seed 7): an idle worker gave a sealed cached block back to the pool; before its
+    next step the block was granted to another worker, sealed there and came back (handed over in a
+    migration, or left by that worker's death and adopted). The stale `released` event then made this
+    worker forget the block was sealed: when it reused the block it sealed it again without unsealing it
+    ("block 545 is SEALED; expected one of ('OWNED',)") and the whole step failed."""
+    ledger, sync = node  # w0
+    digests: dict[int, bytes] = {}
+    sync.arena = SimpleNamespace(digest=lambda block: digests[block])
+    events: deque[BlockEvent] = deque()
+    blocks = SimpleNamespace(block_table=lambda request_id: [], events=events)
+
+    (b,) = ledger.grant("w0", sync.epoch, 1)
+    digests[b] = b"first-bytes"
+    events.append(BlockEvent("stored", b, b"name-1"))
+    sync.before_execute(blocks)
+    assert block(ledger, b).state == BlockState.SEALED
+
+    # Idle, w0 gives it back (evicted from its cache): its events wait for w0's next step.
+    events.extend([BlockEvent("removed", b, b"name-1"), BlockEvent("released", b, b"")])
+    ledger.free("w0", sync.epoch, [b])  # what the pool does with a release
+    epoch1 = ledger.acquire_lease("w1", 2, ttl_s=60).epoch
+    assert ledger.grant("w1", epoch1, 1) == [b]
+    digests[b] = b"second-bytes"
+    ledger.seal("w1", epoch1, [(b, digests[b], b"name-2")])
+    if comes_back == "handed":
+        ledger.hand_over("w1", epoch1, [b], "w0", request_id="migrated", move="migrated/migration-1")
+        sync.received([b], blocks)
+    else:
+        ledger.fence("w1")
+        ledger.reclaim("w1")
+        sync.adopt([(b, digests[b])], blocks)
+    assert (block(ledger, b).state, block(ledger, b).owner) == (BlockState.SEALED, "w0")
+
+    sync.before_execute(blocks)  # the stale events: nothing to write
+    assert block(ledger, b).state == BlockState.SEALED
+    # Reused for other tokens: unsealed before its bytes change, sealed again once full.
+    events.append(BlockEvent("removed", b, b"name-2"))
+    sync.before_execute(blocks)
+    assert block(ledger, b).state == BlockState.OWNED
+    digests[b] = b"third-bytes"
+    events.append(BlockEvent("stored", b, b"name-3"))
+    sync.before_execute(blocks)
+    assert (block(ledger, b).state, block(ledger, b).hash) == (BlockState.SEALED, b"third-bytes")
+
+
+def test_a_seal_the_ledger_refuses_for_one_block_never_fails_the_others_or_the_step(node):
+    """Should this worker's view of a block disagree with the ledger again (the defect above, or one
+    not found yet), that block alone is set right: the batch is written block by block, a block sealed
+    already is unsealed and sealed with its bytes now, and an unseal of a block not sealed is moot."""
+    ledger, sync = node
+    digests: dict[int, bytes] = {}
+    sync.arena = SimpleNamespace(digest=lambda block: digests[block])
+    events: deque[BlockEvent] = deque()
+    blocks = SimpleNamespace(block_table=lambda request_id: [], events=events)
+    stale, fresh, other = ledger.grant("w0", sync.epoch, 3)
+    digests.update({stale: b"old", fresh: b"fresh", other: b"other"})
+    ledger.seal("w0", sync.epoch, [(stale, b"old", b"name-old")])  # sealed, and this worker does not know
+    digests[stale] = b"new"
+    sync._unseal_pending[other] = None  # an unseal of a block never sealed
+    events.extend([BlockEvent("stored", stale, b"name-new"), BlockEvent("stored", fresh, b"name-fresh")])
+    sync.before_execute(blocks)  # no raise
+    got = {r.block_id: (r.state, r.hash) for r in ledger.blocks() if r.block_id in (stale, fresh, other)}
+    assert got == {
+        stale: (BlockState.SEALED, b"new"),
+        fresh: (BlockState.SEALED, b"fresh"),
+        other: (BlockState.OWNED, None),
+    }
+    events.append(BlockEvent("removed", stale, b"name-new"))  # and it is known sealed from now on
+    sync.before_execute(blocks)
+    assert block(ledger, stale).state == BlockState.OWNED

@@ -78,3 +78,41 @@ def test_a_handoff_naming_blocks_held_here_is_computed_afresh_and_the_worker_goe
     assert got["b"] == want_b[3:]
     assert got["a"] == [t for o in reference["a"] for t in o.token_ids]
     engine.blocks.check_integrity()
+
+
+def test_a_resume_of_a_request_still_running_here_takes_it_over_token_exactly(small_config, small_model, make_engine):
+    """The soak's seed 7: a restarted router stopped the run its ledger named (another worker's) and
+    placed the resume where the request still ran. The resume must win (that client's stream goes on
+    from what it holds), not fail with "already in flight"; a plain add of a live id stays refused."""
+    tok = small_model.tokenizer
+    prompt, other = tok.encode("The capital of France is"), tok.encode("Once upon a time")
+    reference = make_engine(small_config, small_model).generate([greedy("a", prompt), greedy("b", other)])
+    want = [t for o in reference["a"] for t in o.token_ids]
+
+    engine = make_engine(small_config, small_model)
+    engine.add_request(greedy("a", prompt))
+    engine.add_request(greedy("b", other))
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    for _ in range(6):  # the run goes past what the client will say it holds
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert len(got["a"]) > 3
+    engine.add_request(greedy("a", prompt))  # (a new request reusing a live id: refused, the run untouched)
+    (refused,) = engine.take_pending()
+    assert refused.finish_reason is FinishReason.ERROR and "already in flight" in (refused.error or "")
+    assert "a" in engine.requests
+
+    resumed: list = []
+    engine.add_request(AddRequest("a", prompt, greedy("a", prompt).params, resume=Resume(want[:3], 0)))
+    assert not engine.take_pending()  # nothing refused
+    while engine.has_work:
+        for out in engine.step():
+            if out.request_id == "a":
+                resumed.append(out)
+            else:
+                got["b"] += out.token_ids
+    assert resumed[0].index == 3
+    assert [t for o in resumed for t in o.token_ids] == want[3:]
+    assert resumed[-1].finish_reason is FinishReason.LENGTH
+    assert got["b"] == [t for o in reference["b"] for t in o.token_ids]
+    assert not engine.requests and engine.blocks.num_free == engine.blocks.num_blocks

@@ -13,7 +13,7 @@ import zmq
 
 from steadfast.control.fleet.client import RESUMED_ELSEWHERE, EngineClient
 from steadfast.control.fleet.delivery import Flight, Watermark
-from steadfast.control.fleet.resume import Resumption
+from steadfast.control.fleet.resume import Known, Resumption
 from steadfast.wire.worker import (
     AbortRequest,
     AddRequest,
@@ -168,6 +168,36 @@ def test_a_stream_with_nothing_past_the_idle_limit_ends_with_an_error_and_keep_a
         outs = [out async for out in gen]
         assert outs[:3] == [None] * 3 and "no output for" in outs[-1].error
         assert rig.sent() == []  # it never took the request over
+        await rig.close()
+
+    asyncio.run(run())
+
+
+def test_a_resume_the_router_never_saw_stops_the_request_on_every_worker_before_it_is_sent(tmp_path):
+    """After a router restart the ledger's owner can be stale (the soak's seed 7: it named worker 1 while
+    worker 0 still ran the request, and the resume placed on worker 0 failed as "already in flight"):
+    every live worker is told to stop it before the resume goes out, so no run of it is left for nobody."""
+
+    async def run() -> None:
+        rig = Rig(tmp_path)
+        client = rig.client
+        other = zmq.Context.instance().socket(zmq.PULL)
+        other.bind(f"ipc://{tmp_path}/worker1")
+        client.hub.add(1, f"ipc://{tmp_path}/worker1", WorkerRole.MIXED)
+        client.registry.observe(WorkerStatus(1, 1, WorkerRole.MIXED, WorkerState.READY))
+        known = Known(AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=32)), [5, 6, 7], owner=1)
+        gen = client.generate(Resumption.request(known, 3, 3), 3, 0.05, known)
+        assert await first(gen) is None  # sent, waiting for its tokens
+        owner = client.find("r").mark.owner
+        aborted = []
+        while other.poll(200):
+            msg = decode_to_worker(other.recv())
+            aborted += [("abort", rid) for rid in msg.request_ids] if isinstance(msg, AbortRequest) else [("add", "r")]
+        on_zero = rig.sent()
+        assert aborted[0] == ("abort", "r") and on_zero[0] == ("abort", "r")
+        assert ("add", "r") in (on_zero if owner == 0 else aborted)
+        await gen.aclose()
+        other.close(linger=0)
         await rig.close()
 
     asyncio.run(run())

@@ -359,8 +359,9 @@ class EngineClient:
             if len(kept.tokens) > len(known.tokens):
                 known = kept
         else:
-            stale = self.registry.get(known.owner)
-            if stale is not None:  # it may still run where it was, for nobody: stop it there
+            # It may still run for nobody where it was, and the ledger's owner may be stale (a resume
+            # the ledger did not record yet): stopped on every live worker (the soak's seed 7).
+            for stale in [w for w in self.registry if not w.dead]:
                 stale.in_flight.discard(rid)
                 await self.abort(stale, rid)
         assert request.resume is not None

@@ -142,7 +142,7 @@ class KVConnector:
             request.output_ids = []
             return False
         if self.sync is not None:
-            self.sync.received(sealed)
+            self.sync.received(sealed, self.blocks)
         self.blocks.receive(request.request_id, request.all_ids, h.block_ids, h.num_computed, set(sealed))
         request.num_computed = h.num_computed
         # Its first output says where the KV came from.

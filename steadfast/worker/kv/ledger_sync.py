@@ -39,6 +39,8 @@ from steadfast.wire.worker import FinishReason
 from steadfast.worker.core.block_manager import BlockManager
 from steadfast.worker.core.request import Request, Status
 
+Named = tuple[int, bytes, bytes]  # a seal: block, hash of its bytes, chained name of its tokens
+
 log = logging.getLogger(__name__)
 
 # A store that fails a write (its transaction did not commit) is retried, the pause doubling from
@@ -66,6 +68,7 @@ class LedgerSync:
         )
         self.lease.start()
         self._sealed_pending: dict[int, bytes] = {}  # filled, to seal: block -> its token name
+        self._unseal_pending: dict[int, None] = {}  # sealed, refilled soon: to unseal first (in order)
         self._ledger_sealed: set[int] = set()
         self._finished: list[Request] = []
         self._refused: set[str] = set()  # requests whose rows the store refused: never written again
@@ -105,7 +108,57 @@ class LedgerSync:
     def _sync_blocks(self, blocks: BlockManager) -> None:
         """Write the block manager's events to the ledger: seal blocks that filled (with the hash of
         their bytes and the chained name of their tokens), unseal cached ones about to be refilled."""
-        unseals: dict[int, None] = {}
+        self._drain(blocks)
+        if self._sealed_pending or self._unseal_pending:
+            t0 = time.perf_counter()
+            # A block both unsealed and sealed here was refilled (brought back from the offload tier, say)
+            # since the last sync: unsealed first, then sealed with its new bytes, in one transaction.
+            seals = [(b, self.arena.digest(b), name) for b, name in self._sealed_pending.items()]
+            unseals = list(self._unseal_pending)
+            try:
+                self._write(self.ledger.seal_and_unseal, seals, unseals)
+            except LedgerUnavailableError:
+                raise  # the store failed, past the retries: the worker's error
+            except LedgerError as exc:  # the ledger and this worker disagree on some block
+                seals = self._one_by_one(seals, unseals, exc)
+            self._ledger_sealed.difference_update(unseals)
+            self._ledger_sealed.update(b for b, _, _ in seals)
+            self._sealed_pending.clear()
+            self._unseal_pending.clear()
+            self.seal_seconds += time.perf_counter() - t0
+
+    def _one_by_one(self, seals: list[Named], unseals: list[int], failure: LedgerError) -> list[Named]:
+        """A refused seal/unseal batch written block by block, so that one block the ledger and this
+        worker disagree on never fails the step (and every request in it): an unseal of a block not
+        sealed is moot; a seal of one sealed already (ours) is unsealed and sealed with its bytes now.
+        A block still refused stays unsealed here: never adopted by anyone. Returns the seals written."""
+        log.error("ledger refused a seal batch (%s): writing its %d blocks one by one", failure, len(seals))
+        for b in unseals:
+            try:
+                self._write(self.ledger.seal_and_unseal, [], [b])
+            except LedgerUnavailableError:
+                raise
+            except LedgerError as exc:
+                log.error("block %d: unseal refused (%s)", b, exc)
+        written = []
+        for seal in seals:
+            for unseal in ([], [seal[0]]):
+                try:
+                    self._write(self.ledger.seal_and_unseal, [seal], unseal)
+                except LedgerUnavailableError:
+                    raise
+                except LedgerError as exc:
+                    log.error("block %d: seal refused (%s)", seal[0], exc)
+                    continue
+                written.append(seal)
+                break
+        return written
+
+    def _drain(self, blocks: BlockManager) -> None:
+        """Take the block manager's events into what is to seal and unseal (nothing written). Done before
+        anything else changes what this worker knows the ledger holds: a block released to the pool, then
+        granted to another worker, sealed there and handed (or left by its death) back to us must not be
+        forgotten by its own stale `released` event (the soak's seed 7: sealed twice, the step failed)."""
         while blocks.events:
             event = blocks.events.popleft()
             b = event.block_id
@@ -113,22 +166,12 @@ class LedgerSync:
                 self._sealed_pending[b] = event.hash
             elif event.kind == "released":  # the pool freed it already: nothing left to seal or unseal
                 self._sealed_pending.pop(b, None)
-                unseals.pop(b, None)
+                self._unseal_pending.pop(b, None)
                 self._ledger_sealed.discard(b)
             elif b in self._sealed_pending:
                 del self._sealed_pending[b]  # evicted before it was ever sealed
             elif b in self._ledger_sealed:
-                unseals[b] = None
-        if self._sealed_pending or unseals:
-            t0 = time.perf_counter()
-            # A block both unsealed and sealed here was refilled (brought back from the offload tier, say)
-            # since the last sync: unsealed first, then sealed with its new bytes, in one transaction.
-            seals = [(b, self.arena.digest(b), name) for b, name in self._sealed_pending.items()]
-            self._write(self.ledger.seal_and_unseal, seals, list(unseals))
-            self._ledger_sealed.difference_update(unseals)
-            self._ledger_sealed.update(b for b, _, _ in seals)
-            self._sealed_pending.clear()
-            self.seal_seconds += time.perf_counter() - t0
+                self._unseal_pending[b] = None
 
     def adoptable(self, names: list[bytes], cached: Callable[[int], bool]) -> list[tuple[int, int, bytes]] | None:
         """Sealed blocks a dead worker left that may be adopted for a request: (position, block, hash).
@@ -161,11 +204,12 @@ class LedgerSync:
             plan.append((pos, block.block_id, block.hash))
         return plan
 
-    def adopt(self, blocks: list[tuple[int, bytes]]) -> None:
+    def adopt(self, plan: list[tuple[int, bytes]], blocks: BlockManager) -> None:
         """Make verified sealed blocks ours in the ledger (all or none; LedgerError if any was taken)."""
-        if blocks:
-            self._write(self.ledger.adopt, blocks)
-            self._ledger_sealed.update(b for b, _ in blocks)
+        if plan:
+            self._drain(blocks)
+            self._write(self.ledger.adopt, plan)
+            self._ledger_sealed.update(b for b, _ in plan)
 
     def hand_over(
         self,
@@ -196,8 +240,9 @@ class LedgerSync:
         Called from the receiver's thread: the ledger object serves several threads."""
         return MoveOutcome(self._write(self.ledger.decide_move, session, proposal))
 
-    def received(self, sealed: list[int]) -> None:
+    def received(self, sealed: list[int], blocks: BlockManager) -> None:
         """Blocks handed to this worker that another sealed: ours to unseal when they are reused."""
+        self._drain(blocks)
         self._ledger_sealed.update(sealed)
 
     def finished(self, request: Request) -> None:

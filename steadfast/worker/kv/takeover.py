@@ -42,7 +42,7 @@ def recover(
         return Route.REBUILD, 0
     if plan:
         try:
-            sync.adopt([(b, h) for _, b, h in plan])
+            sync.adopt([(b, h) for _, b, h in plan], blocks)
         except LedgerError as exc:  # taken by someone else meanwhile: recompute rather than share
             log.warning(
                 "request %s: adoption refused (%s); rebuilding",
