@@ -60,6 +60,9 @@ class ServerConfig:
     # keeps its connection through proxies and clients that drop idle ones (60 s at nginx and most load
     # balancers, less at some), even when the busy router writes it a few seconds late.
     sse_keepalive: float = field(default=10.0, metadata={"duration": True})
+    # A nemesis soak's JSON report (`steadfast chaos soak --json FILE`) the dashboard shows, with the
+    # timeline PNG beside it (same name, .png); read when the dashboard asks, so a new soak shows at once.
+    soak_report: str = ""
 
     @property
     def computing_workers(self) -> int:

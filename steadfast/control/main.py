@@ -121,7 +121,7 @@ async def serve(
     )
     dashboard = Dashboard(ctx)
     sampler = asyncio.create_task(dashboard.run())
-    app = create_app(ctx, guard, dashboard)
+    app = create_app(ctx, guard, dashboard, srv.soak_report)
     if cfg.server.router_nice:
         # Only now: a router restarted on a loaded machine must come up at full priority, because its
         # clients are waiting to resume; serving, it yields the CPU to the workers.

@@ -26,8 +26,8 @@ ARTIFACTS = Path(os.environ.get("STEADFAST_TEST_ARTIFACTS", ROOT / "test-artifac
 CONFIG = (
     "model: {dtype: float32, device: cpu}\n"
     "cache: {kv_memory_mb: 128}\n"
-    "server: {workers: 1, standby_workers: 1, status_interval_s: 0.25}\n"
     "fault_recovery: {lease: {renew_interval_ms: 100, lease_timeout_ms: 1000}}\n"
+    "server:\n  workers: 1\n  standby_workers: 1\n  status_interval_s: 0.25\n"
 )
 
 
@@ -65,13 +65,23 @@ def test_the_dashboard_shows_a_killed_worker_its_takeover_and_the_level(tmp_path
         browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         args = ("--streams", "3", "--at", "0.5", "--linger", "180")
-        proc, port, report = chaos(tmp_path, "kill-worker", CONFIG, small_model_path, *args)
+        # The last soak's report beside it (a real one: the 60-minute soak's, and its timeline PNG).
+        soak = tmp_path / "soak.json"
+        shutil.copy(ROOT / "benchmarks" / "results" / "soak_60min.json", soak)
+        shutil.copy(ROOT / "benchmarks" / "results" / "soak_60min.png", soak.with_suffix(".png"))
+        config = CONFIG + f"  soak_report: {soak}\n"
+        proc, port, report = chaos(tmp_path, "kill-worker", config, small_model_path, *args)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_until(lambda: up(url) or proc.poll() is not None, 120, "the chaos run's server")
             assert proc.poll() is None, proc.communicate()[0]
             page.goto(url + "/dashboard")
             page.wait_for_selector("#workers tbody tr", timeout=15_000)  # the page polls and draws
+            # The last soak: its verdict, a row per fault kind, its failures, its timeline drawn.
+            page.wait_for_selector("#soak-kinds tbody tr[data-kind=kill-worker]", timeout=15_000)
+            assert page.locator("#soak-verdict").get_attribute("data-passed") == "false"
+            assert page.locator("#soak-failures li").count() == 10
+            page.wait_for_function("() => document.querySelector('#soak-timeline').naturalWidth > 0", timeout=15_000)
             crash = page.wait_for_selector("#events tr[data-kind=crash]", timeout=120_000)
             assert "died" in crash.inner_text() and "fenced" in crash.inner_text()
             page.wait_for_selector("#events tr[data-kind=takeover]", timeout=30_000)

@@ -24,6 +24,7 @@ from steadfast.control.http.admin_dashboard import add_dashboard_routes
 from steadfast.control.http.admin_health import add_health_routes
 from steadfast.control.http.admin_ladder import add_degradation_routes
 from steadfast.control.http.admin_moves import add_migration_routes
+from steadfast.control.http.admin_soak import add_soak_routes
 from steadfast.control.http.dashboard import Dashboard
 from steadfast.control.http.errors import (
     APIError,
@@ -91,7 +92,9 @@ def without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard: Dashboard | None = None) -> FastAPI:
+def create_app(
+    ctx: ServingContext, guard: GuardConfig | None = None, dashboard: Dashboard | None = None, soak_report: str = ""
+) -> FastAPI:
     app = FastAPI(title="Steadfast", version="0.1.0", responses=ERROR_RESPONSES)
     app.add_middleware(Guard, cfg=guard or GuardConfig())
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -229,6 +232,7 @@ def create_app(ctx: ServingContext, guard: GuardConfig | None = None, dashboard:
     add_degradation_routes(app, ctx)
     add_health_routes(app, ctx)
     add_dashboard_routes(app, dashboard or Dashboard(ctx))
+    add_soak_routes(app, soak_report)
 
     @app.get("/admin/takeovers")
     async def admin_takeovers() -> list[dict[str, Any]]:

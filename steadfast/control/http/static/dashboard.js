@@ -4,7 +4,7 @@
 
 const KEPT_POINTS = 900; // fifteen minutes at one a second, as the router keeps
 const KEPT_EVENTS = 500;
-const state = { since: 0, points: [], events: [], key: sessionStorage.getItem("steadfast-admin-key") || "" };
+const state = { since: 0, points: [], events: [], key: sessionStorage.getItem("steadfast-admin-key") || "", soakAt: null };
 
 const $ = (id) => document.getElementById(id);
 
@@ -225,13 +225,89 @@ function renderEvents() {
   }
 }
 
+// The last soak's report (server.soak_report), asked once a minute: it changes only when a soak ends.
+async function pollSoak() {
+  const headers = state.key ? { Authorization: "Bearer " + state.key } : {};
+  let answer;
+  try {
+    answer = await fetch("/admin/soak", { headers, cache: "no-store" });
+  } catch (err) {
+    return;
+  }
+  if (!answer.ok) {
+    $("soak").hidden = true;
+    return;
+  }
+  const r = await answer.json();
+  if (r.written_at === state.soakAt) return;
+  state.soakAt = r.written_at;
+  renderSoak(r);
+  if (r.timeline) {
+    const png = await fetch("/admin/soak.png", { headers, cache: "no-store" });
+    if (png.ok) {
+      // CSP allows data: images only (no blob:): the PNG is read into a data URL.
+      const reader = new FileReader();
+      reader.onload = () => {
+        $("soak-timeline").src = reader.result;
+        $("soak-timeline").hidden = false;
+      };
+      reader.readAsDataURL(await png.blob());
+    }
+  }
+}
+
+function renderSoak(r) {
+  $("soak").hidden = false;
+  const verdict = $("soak-verdict");
+  verdict.replaceChildren();
+  const t = r.tokens;
+  const lines = [
+    [r.passed ? "passed" : "FAILED", "seed " + r.seed + ", " + r.duration_s + " s, " + clock(r.written_at)],
+    ["requests", r.requests + ": " + r.exact + " exact, " + r.refused + " refused, " + r.failed + " failed"],
+    ["tokens", t.lost + " lost, " + t.repeated + " repeated, " + t.changed + " changed"],
+    ["faults", r.faults + " struck, " + r.faults_proven + " proven"],
+    ["checks", r.problems.history_problems + " history, " + r.problems.node_problems + " node, " + r.problems.leaks + " leak problems"],
+  ];
+  for (const [title, text] of lines) {
+    const card = document.createElement("div");
+    card.className = "card" + (title === "FAILED" ? " over" : "");
+    const b = document.createElement("b");
+    b.textContent = title;
+    card.appendChild(b);
+    const d = document.createElement("div");
+    d.textContent = text;
+    card.appendChild(d);
+    verdict.appendChild(card);
+  }
+  verdict.dataset.passed = String(r.passed);
+  const body = $("soak-kinds").tBodies[0];
+  body.replaceChildren();
+  for (const k of r.kinds) {
+    const row = body.insertRow();
+    row.dataset.kind = k.kind;
+    for (const key of ["kind", "struck", "proven", "streams", "p50_ms", "p99_ms", "max_ms"]) {
+      cell(row, k[key] === null || k[key] === undefined ? "" : String(k[key]));
+    }
+  }
+  const failures = $("soak-failures");
+  failures.replaceChildren();
+  for (const f of r.failures) {
+    const li = document.createElement("li");
+    li.textContent = "request " + f.request + ": " + f.error + " (" + f.tokens + ")";
+    failures.appendChild(li);
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   $("key-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     state.key = $("key").value;
     sessionStorage.setItem("steadfast-admin-key", state.key);
     poll();
+    pollSoak();
   });
   poll();
   setInterval(poll, 1000);
+  pollSoak();
+  setInterval(pollSoak, 60000);
 });
