@@ -130,19 +130,15 @@ class Engine:
         self.scheduler.add(request)
 
     def _superseded(self, msg: AddRequest) -> bool:
-        """A resume of a request that still runs here (its router restarted and stopped the run the
-        ledger named, another worker's): the router's newest order wins, so this run stops and the
-        request continues from what its client holds. A plain add with a live id stays refused."""
+        """A resume of a request that still runs here (a restarted router stopped the run the ledger
+        named, elsewhere): the newest order wins, the run stops and the request continues from what its
+        client holds. A plain add with a live id stays refused."""
         if msg.resume is None:
             return False
-        log.warning(
-            "request %s resumed at token %d while it runs here: this run stops, the resume goes on",
-            msg.request_id,
-            len(msg.resume.output_ids),
-            extra=about(msg.request_id),
-        )
-        self.abort(msg.request_id)
-        return msg.request_id not in self.requests
+        rid, at = msg.request_id, len(msg.resume.output_ids)
+        log.warning("request %s resumed at token %d while it runs here: the run stops", rid, at, extra=about(rid))
+        self.abort(rid)
+        return rid not in self.requests
 
     def take_pending(self) -> list[RequestOutput]:
         """Outputs made outside a step (a migration's answer): sent now rather than after the next step."""
@@ -382,9 +378,11 @@ class Engine:
         KV counts up to its last confirmed draft; the slots of the rejected ones are rolled back (their
         blocks freed; those kept are overwritten before they are read, and sealed only once full of
         confirmed tokens)."""
+        prompt_done = False
         for request in scheduled.decodes:
             request.num_computed += 1
             self.blocks.commit(request.request_id, request.all_ids, request.num_computed)
+            prompt_done |= not request.output_ids  # its prompt's last token (the rest was cached): row due now
         produced = {r.request_id: tokens for r, tokens in new}
         for request, _ in scheduled.verifies:
             tokens = produced[request.request_id]
@@ -392,7 +390,6 @@ class Engine:
             self.blocks.trim(request.request_id, request.num_computed)
             # Named with the tokens they hold: the confirmed drafts are appended to the request after this.
             self.blocks.commit(request.request_id, request.all_ids + tokens, request.num_computed)
-        prompt_done = False
         for request, n in scheduled.prefills:
             request.num_computed += n
             self.blocks.commit(request.request_id, request.all_ids, request.num_computed)

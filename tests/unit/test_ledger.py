@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from steadfast.kv.ledger.history import Op, RecordingLedger, check_history, load_journal
+from steadfast.kv.ledger.history import DIED, Op, RecordingLedger, check_history, load_journal
 from steadfast.kv.ledger.interface import (
     BlockState,
     FencedError,
@@ -469,3 +469,42 @@ def test_journals_of_several_ledger_objects_merge_in_the_stores_order(ledger_bac
     died = {"n": 0, "name": "seal", "args": ["w0", e, [[1, "aDE=", "bjE="]]]}
     (journal / "99999-0.jsonl").write_text(json.dumps(died) + "\n")
     assert any("stale epoch" in p for p in check_history(load_journal(journal)))
+
+
+def test_an_adoption_its_worker_died_in_that_never_committed_is_no_second_owner(ledger_backend, tmp_path, monkeypatch):
+    """The soak's seed 7: a worker stopped inside an adoption (its call journaled, no outcome) was fenced
+    and reclaimed; the store had not committed the adoption (the reclaim gave none of those blocks back),
+    and another worker adopted them. The checker counts an unfinished call as accepted (it may have been)
+    and so saw two owners; the reclaim's answer settles it. A block the store did lose is still flagged."""
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    monkeypatch.setenv("STEADFAST_LEDGER_JOURNAL", str(journal))
+    url = ledger_url_in(ledger_backend, tmp_path, "died")
+    pool, dying, heir = open_ledger(url), open_ledger(url), open_ledger(url)
+    try:
+        pool.format(4)
+        e0 = pool.acquire_lease("w0", 1, 30).epoch
+        pool.grant("w0", e0, 1)
+        pool.seal("w0", e0, [(0, b"h0", b"n0")])
+        pool.fence("w0")
+        pool.reclaim("w0")  # block 0: sealed, nobody's
+        e1 = dying.acquire_lease("w1", 2, 30).epoch
+        mine = next(p for p in journal.glob("*.jsonl") if b'"acquire_lease","args":["w1"' in p.read_bytes())
+        # w1 is killed inside its adoption of block 0: the call journaled, never committed, no outcome.
+        with open(mine, "a") as f:
+            f.write(json.dumps({"n": 99, "name": "adopt", "args": ["w1", e1, [[0, "aDA="]]]}) + "\n")
+        pool.fence("w1")
+        pool.reclaim("w1")
+        e2 = heir.acquire_lease("w2", 3, 30).epoch
+        heir.adopt("w2", e2, [(0, b"h0")])
+    finally:
+        pool.close()
+        dying.close()
+        heir.close()
+    history = load_journal(journal)
+    assert [(op.args[0], op.error) for op in history if op.name == "adopt"] == [("w1", DIED), ("w2", None)]
+    assert check_history(history) == []
+    # A finished grant the reclaim does not give back: the store lost it.
+    lost = [*history, Op(len(history), "fence", ("w2",), True, result=99)]
+    lost.append(Op(len(lost), "reclaim", ("w2",), True, result=([], [])))
+    assert any("block 0 of w2 not given back by its reclaim" in p for p in check_history(lost))

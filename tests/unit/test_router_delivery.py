@@ -243,3 +243,31 @@ def test_a_dead_decode_worker_s_sources_are_told_at_once(tmp_path):
                 pull.close(linger=0)
 
     asyncio.run(run())
+
+
+def test_a_move_asked_twice_moves_once_and_restarts_the_stall_clock(placement):
+    """The soak's seed 7: a request's worker stalled (a move asked) and died (another asked) while the
+    storm-control slots were taken; each move, given a slot in turn, moved it again — off the owner the
+    first had just given it, each time recomputing — and the stall watch, finding no progress since
+    before the wait, moved it once more. One move happens; the others see it moved and stop."""
+    sent: list[tuple[int, AddRequest]] = []
+    live = placement.registry.get(1)
+
+    async def choose(exclude, roles, node):  # noqa: ANN001, ANN202
+        return live
+
+    async def send(worker, add):  # noqa: ANN001, ANN202
+        sent.append((worker.worker_id, add))
+        return True
+
+    async def run() -> None:
+        recovery = Recovery(TakeoverConfig(max_concurrent=1, wait_timeout=0.2), placement, choose, send)
+        f = flight(0, [5, 6])
+        f.mark.moving = True
+        f.progress = 0.0  # (stalled long ago)
+        await asyncio.gather(*(recovery.move(f, 0, lambda: True) for _ in range(3)))
+        assert [(w, add.resume.output_ids) for w, add in sent] == [(1, [5, 6])]
+        assert f.mark.owner == 1 and not f.mark.moving
+        assert f.progress > 0.0  # its stall clock restarted
+
+    asyncio.run(run())

@@ -99,6 +99,12 @@ class Recovery:
         rid = flight.add.request_id
         mark = flight.mark
         async with self._slots:
+            if mark.owner != dead:
+                # Another move took it off `dead` while this one waited for a slot (a death and a stall,
+                # or two deaths, each asked for one): moving it again would move it off its new owner and
+                # hold a slot the moves still queued need (the soak's seed 7: a request shuffled late by
+                # stale moves, then its last move queued past its client's deadline).
+                return
             deadline = time.monotonic() + self.cfg.wait_timeout
             target = await self._choose(dead, roles, node)
             while target is None and time.monotonic() <= deadline and still_wanted():
@@ -117,6 +123,7 @@ class Recovery:
             self.takeovers.append(record)
             del self.takeovers[:-TAKEOVERS_KEPT]
             mark.hand_to(target.worker_id)
+            flight.progress = time.monotonic()  # its stall clock starts again with its new owner
             target.in_flight.add(rid)
             await self._send(target, add)
             log.warning(

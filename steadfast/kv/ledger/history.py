@@ -90,6 +90,9 @@ class Journal:
         os.close(self.fd)
 
 
+DIED = "died in the call"  # the error of a journaled call with no outcome line: counted as accepted
+
+
 def _slim(arg: Any) -> Any:
     """A call's argument as the journal keeps it: a checkpoint by its request only."""
     if isinstance(arg, list | tuple) and arg and isinstance(arg[0], RequestCheckpoint):
@@ -174,7 +177,7 @@ def load_journal(folder: str | Path, store: str | None = None) -> list[Op]:
             # One that never ended goes right after the same process's call before it.
             order = end["order"] if end is not None and end["order"] else last
             last = order
-            op = Op(0, call["name"], tuple(call["args"]), ok, result, end["error"] if end else "died in the call")
+            op = Op(0, call["name"], tuple(call["args"]), ok, result, end["error"] if end else DIED)
             entries.append((order, path.name, n, op))
     history = [op for *_, op in sorted(entries, key=lambda e: e[:3])]
     for seq, op in enumerate(history):
@@ -201,6 +204,9 @@ def check_history(history: list[Op]) -> list[str]:
     epoch: dict[str, int] = {}  # worker -> its current epoch
     active: dict[str, bool] = {}
     owner: dict[int, tuple[str, int]] = {}  # block -> (worker, epoch) while granted
+    # Blocks whose owner came from a call its process died in: counted as committed (it may have been),
+    # so a reclaim that does not give them back shows it was not.
+    maybe: set[int] = set()
     sealed: set[int] = set()
     writing: dict[tuple[str, int], str] = {}  # offload-tier slot -> the worker writing into it
     for op in _expanded(history):
@@ -236,6 +242,10 @@ def check_history(history: list[Op]) -> list[str]:
                     if b not in sealed:
                         problems.append(f"#{op.seq}: block {b} adopted by {worker} but not sealed")
                     owner[b] = (worker, used)
+                    if op.error == DIED:
+                        maybe.add(b)
+                    else:
+                        maybe.discard(b)
             elif op.name == "hand_over":
                 to = a[3]
                 for seal in a[4] if len(a) > 4 else ():
@@ -281,12 +291,25 @@ def check_history(history: list[Op]) -> list[str]:
             elif op.name == "free_slots":
                 for slot in a[3]:
                     writing.pop((a[2], slot), None)
+        elif op.name == "arena_replaced":  # a new arena: every block free, every live lease fenced
+            owner.clear()
+            sealed.clear()
+            maybe.clear()
+            active = dict.fromkeys(active, False)
         elif op.name == "reclaim":
             if active.get(a[0], False):
                 problems.append(f"#{op.seq}: blocks of {a[0]} reclaimed while its lease is active")
             kept, quarantined = op.result
             for b in (*kept, *quarantined):
                 owner.pop(b, None)
+                maybe.discard(b)
+            # Nothing is the worker's after it. A block the model still gives it came from an adoption
+            # it died in that never committed (the soak's seed 7); any other is a block the store lost.
+            for b in [b for b, (w, _) in owner.items() if w == a[0]]:
+                if b not in maybe:
+                    problems.append(f"#{op.seq}: block {b} of {a[0]} not given back by its reclaim")
+                del owner[b]
+                maybe.discard(b)
             for key in [k for k, w in writing.items() if w == a[0]]:
                 del writing[key]  # a dead writer's slots are freed by the reclaim
     return problems
