@@ -31,6 +31,7 @@ class Member:
     data_dir: Path
     log: Path
     proc: subprocess.Popen | None = None
+    args: list[str] = field(default_factory=list)  # how it was started (a restart runs it again on its data)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class EtcdCluster:
                 "--election-timeout=500",
                 *self.extra,
             ]
+            m.args = args
             m.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=m.log.open("wb"))
         self.wait_leader(timeout_s)
         return self
@@ -118,6 +120,12 @@ class EtcdCluster:
         if member.proc is not None and member.proc.poll() is None:
             member.proc.send_signal(signal.SIGKILL)
             member.proc.wait(10)
+
+    def restart(self, member: Member) -> None:
+        """A killed member started again on its data directory: it rejoins the cluster as it was."""
+        if member.proc is not None and member.proc.poll() is None:
+            return
+        member.proc = subprocess.Popen(member.args, stdout=subprocess.DEVNULL, stderr=member.log.open("ab"))
 
     def stop(self) -> None:
         """Killed, not stopped in order: a test's cluster goes with its data, and etcd's orderly stop

@@ -29,12 +29,14 @@ class Served:
         self.log = folder / "server.log"
         # The KV wire's fault drill: its senders read this file at the start of every transfer (empty:
         # no fault); a config's own `transfer.faults_file` wins over it.
-        self.drill = folder / "transfer-faults"
-        self.drill.write_text("")
+        drill = folder / "transfer-faults"
+        drill.write_text("")
+        self.drill: Path | None = drill
+        self.headers: dict[str, str] = {}  # (on loopback: the admin routes want no key)
         cmd = [sys.executable, "-m", "steadfast.ops.cli", "serve", "--port", str(self.port)]
         cmd += ["--config", config] if config else []
         cmd += ["--model", model] if model else []
-        env = os.environ | {"STEADFAST_TRANSFER_FAULTS_FILE": str(self.drill)} | (env or {})
+        env = os.environ | {"STEADFAST_TRANSFER_FAULTS_FILE": str(drill)} | (env or {})
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -52,6 +54,12 @@ class Served:
                 pass
             time.sleep(0.3)
         raise RuntimeError(f"the server was not ready in {timeout_s:.0f}s; see {self.log}")
+
+    def launchers(self) -> list[int]:
+        return [self.proc.pid]
+
+    def faults(self, lease_s: float, seed: int) -> dict:
+        return {}  # (one host: the nemesis' own kinds are all it has)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

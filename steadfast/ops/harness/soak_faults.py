@@ -17,7 +17,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ KINDS = (
     "kill-worker",  # SIGKILL a serving worker: its requests are taken over from its KV
     "stop-worker",  # SIGSTOP a serving worker past its lease: fenced, killed, taken over
     "kill-router",  # SIGKILL the router: restarted, clients resume with Last-Event-ID
+    "freeze-router",  # SIGSTOP the router for a while: its streams stall, then carry on with nothing lost
     "kill-pool",  # SIGKILL a kvpool daemon: restarted, it re-attaches arena and ledger
     "kv-link",  # the KV wire's primary path drops every frame for a while (nodes of their own)
     "migrate",  # a live migration of a running request, chosen by the policy's destination
@@ -47,7 +48,16 @@ MIGRATE_TRY_S = 10.0
 SLOW_S = 3.0
 BURST = 40
 ROLLOUT_MAX_S = 180.0  # a rollout's end waited for (one worker: its replacement's start, then its drain)
+ROUTER_FREEZE_S = 4.0
 ROUTER_BACK_S = 30.0  # how long an admin call waits for a router another fault killed
+
+
+def _state(pid: int) -> str:
+    """A process' state letter (T: stopped), or "" when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
 
 
 @dataclass
@@ -75,10 +85,22 @@ def schedule(seed: int, duration_s: float, every_s: float, kinds: tuple[str, ...
 
 class Nemesis:
     def __init__(
-        self, url: str, launcher_pid: int, traffic: Traffic, drill: Path | None, lease_s: float, seed: int
+        self,
+        url: str,
+        launchers: Callable[[], list[int]],
+        traffic: Traffic,
+        drill: Path | None,
+        lease_s: float,
+        seed: int,
+        headers: dict[str, str] | None = None,
+        faults: Mapping[str, Callable[[Struck], None]] | None = None,
     ) -> None:
-        self.url, self.launcher_pid, self.traffic, self.drill = url, launcher_pid, traffic, drill
+        """`launchers()`: the processes whose children are the routers and kvpools; `headers`: for the
+        admin routes; `faults`: kinds the deployment adds (each fills its `Struck` as these do)."""
+        self.url, self.launchers, self.traffic, self.drill = url, launchers, traffic, drill
         self.lease_s = lease_s
+        self.headers = headers or {}
+        self.faults = dict(faults or {})
         self.rng = random.Random(seed * 31 + 7)  # which worker or request: drawn apart from the schedule
         self.struck: list[Struck] = []
         self.burst: list[Sample] = []
@@ -89,7 +111,8 @@ class Nemesis:
     def kinds_here(self) -> tuple[str, ...]:
         """The kinds this deployment has: kv-link needs KV that crosses nodes."""
         nodes = {w["node"] for w in self._workers()}
-        return tuple(k for k in KINDS if k != "kv-link" or (len(nodes) > 1 and self.drill is not None))
+        own = tuple(k for k in KINDS if k != "kv-link" or (len(nodes) > 1 and self.drill is not None))
+        return own + tuple(self.faults)
 
     def run(self, plan: list[tuple[float, str]], t0: float, stop: threading.Event) -> None:
         for offset, kind in plan:
@@ -116,7 +139,8 @@ class Nemesis:
     # --- striking --------------------------------------------------------------------------------------
     def _strike(self, s: Struck) -> None:
         try:
-            getattr(self, "_" + s.kind.replace("-", "_"))(s)
+            strike = self.faults.get(s.kind) or getattr(self, "_" + s.kind.replace("-", "_"))
+            strike(s)
         except Exception as exc:  # noqa: BLE001 - a fault that could not strike is reported as such
             s.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -127,7 +151,7 @@ class Nemesis:
         deadline = time.monotonic() + ROUTER_BACK_S
         while True:
             try:
-                return httpx.request(method, self.url + path, timeout=60, **kw)
+                return httpx.request(method, self.url + path, headers=self.headers, timeout=60, **kw)
             except httpx.TransportError:
                 if time.monotonic() > deadline:
                     raise
@@ -167,17 +191,36 @@ class Nemesis:
         with contextlib.suppress(ProcessLookupError):
             os.kill(w["pid"], signal.SIGCONT)
 
+    def _children(self, module: str) -> list[int]:
+        return [pid for launcher in self.launchers() for pid in children_named(launcher, module)]
+
     def _kill_child(self, s: Struck, module: str, name: str) -> None:
-        pids = children_named(self.launcher_pid, module)
+        pids = self._children(module)
         if not pids:
-            raise RuntimeError(f"no {name} process under the launcher")
+            raise RuntimeError(f"no {name} process under the launchers")
         pid = pids[self.rng.randrange(len(pids))]
         os.kill(pid, signal.SIGKILL)
         s.what = f"{name} (pid {pid}) killed"
-        s.proof = lambda: process_gone(pid) and len(children_named(self.launcher_pid, module)) == len(pids)
+        s.proof = lambda: process_gone(pid) and len(self._children(module)) == len(pids)
 
     def _kill_router(self, s: Struck) -> None:
         self._kill_child(s, "steadfast.control.main", "router")
+
+    def _freeze_router(self, s: Struck) -> None:
+        pids = self._children("steadfast.control.main")
+        if not pids:
+            raise RuntimeError("no router process under the launchers")
+        pid = pids[self.rng.randrange(len(pids))]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.2)
+            stopped = _state(pid) == "T"
+            time.sleep(ROUTER_FREEZE_S - 0.2)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        s.what = f"router (pid {pid}) stopped for {ROUTER_FREEZE_S:g}s"
+        s.proof = lambda: stopped
 
     def _kill_pool(self, s: Struck) -> None:
         self._kill_child(s, "steadfast.kv.pool.daemon", "kvpool")

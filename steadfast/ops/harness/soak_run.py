@@ -9,8 +9,9 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -32,15 +33,34 @@ def _files(folder: str) -> set[str]:
     return set()
 
 
-def _idle(url: str, deadline: float) -> bool:
+def _idle(url: str, headers: dict[str, str], deadline: float) -> bool:
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            rows = httpx.get(url + "/admin/workers", timeout=10).json()
+            rows = httpx.get(url + "/admin/workers", headers=headers, timeout=10).json()
             ready = [w for w in rows if w["state"] == "ready"]
             if ready and all(not w["in_flight"] and not w["kv_blocks_used"] for w in ready):
                 return True
         time.sleep(0.5)
     return False
+
+
+class Deployed(Protocol):
+    """What the soak strikes and reads: one `steadfast serve` (`Served`), or parts over several hosts (the
+    multi-host benchmark's deployment, with etcd)."""
+
+    url: str
+    headers: dict[str, str]  # for the admin routes (a router off loopback wants its admin key)
+    drill: Path | None  # the KV wire's fault drill file, where the deployment has one
+
+    def wait_ready(self) -> None: ...
+
+    def launchers(self) -> list[int]: ...  # the pids whose children are routers and kvpools
+
+    def faults(self, lease_s: float, seed: int) -> Mapping[str, Callable[[Struck], None]]:
+        """Kinds of fault this deployment adds to the nemesis' own (a host frozen, an etcd member killed)."""
+        ...
+
+    def stop(self) -> None: ...
 
 
 def run_soak(
@@ -51,16 +71,19 @@ def run_soak(
     model_path: str = "",
     loaded: LoadedModel | None = None,
     log: Any = print,
+    deploy: Callable[[dict[str, str]], Deployed] | None = None,
 ) -> dict[str, Any]:
     """`cfg`: the served deployment's config (its model and dtype compute the expected outputs);
-    `config_path`, `model_path`: what `steadfast serve` is started with."""
+    `config_path`, `model_path`: what `steadfast serve` is started with, unless `deploy(env)` starts
+    the deployment instead (several hosts, with faults of their own)."""
     asks = catalogue(plan.seed, plan.catalogue)
     log(f"soak: computing the expected outputs of {len(asks)} requests in-process")
     expected = reference(cfg, asks, loaded)
     journal = folder / "journal"
     journal.mkdir(exist_ok=True)
     shm, arenas = _files("/dev/shm"), _files(cfg.cache.arena_dir)
-    served = Served(folder, config_path, model_path, env={"STEADFAST_LEDGER_JOURNAL": str(journal)})
+    env = {"STEADFAST_LEDGER_JOURNAL": str(journal)}
+    served: Deployed = deploy(env) if deploy is not None else Served(folder, config_path, model_path, env=env)
     sent: list[Sent] = []
     struck: list[Struck] = []
     try:
@@ -68,7 +91,8 @@ def run_soak(
         url = served.url
         traffic = Traffic(url, model_name(url), asks, plan)
         lease_s = cfg.fault_recovery.lease.lease_timeout_ms / 1000
-        nemesis = Nemesis(url, served.proc.pid, traffic, served.drill, lease_s, plan.seed)
+        faults = served.faults(lease_s, plan.seed)
+        nemesis = Nemesis(url, served.launchers, traffic, served.drill, lease_s, plan.seed, served.headers, faults)
         kinds = plan.kinds or nemesis.kinds_here()
         plan_faults = schedule(plan.seed, plan.duration_s, plan.fault_every_s, kinds)
         log(f"soak: seed {plan.seed}, {plan.duration_s:g}s, {len(plan_faults)} faults of {', '.join(kinds)}")
@@ -82,17 +106,20 @@ def run_soak(
         nemesis.join(60)
         traffic.join(plan.stream_deadline_s)
         sent, struck = traffic.sent, nemesis.struck
-        idle = _idle(url, time.monotonic() + DRAIN_S)
+        idle = _idle(url, served.headers, time.monotonic() + DRAIN_S)
         time.sleep(3)  # a dead worker's lease, fenced and reclaimed, before the nodes are read
         nemesis.judge()
-        pools = sorted({w["node"] for w in httpx.get(url + "/admin/workers", timeout=10).json() if w["node"]})
+        rows = httpx.get(url + "/admin/workers", headers=served.headers, timeout=10).json()
+        pools = sorted({w["node"] for w in rows if w["node"]})
         node = node_problems(pools) if idle else ["the workers did not go idle after the traffic stopped"]
+        launchers = served.launchers()
     finally:
         served.stop()
     leaks = []
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(served.proc.pid, 0)
-        leaks.append(f"processes of the server's session are still running (group {served.proc.pid})")
+    for pid in launchers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, 0)
+            leaks.append(f"processes of a server's session are still running (group {pid})")
     leaks += [f"/dev/shm/{n}" for n in sorted(_files("/dev/shm") - shm) if n.startswith("steadfast")]
     leaks += [f"{cfg.cache.arena_dir}/{n}" for n in sorted(_files(cfg.cache.arena_dir) - arenas)]
     stores = journal_stores(journal)
