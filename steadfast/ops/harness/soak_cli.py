@@ -16,6 +16,8 @@ from steadfast.ops.harness.soak import SoakPlan
 from steadfast.ops.harness.soak_faults import KINDS
 from steadfast.ops.harness.soak_run import plot, run_soak
 
+SHOWN = 20  # problems and failed requests printed (the JSON report lists more)
+
 
 def soak(args: argparse.Namespace, folder: Path) -> int:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
@@ -65,9 +67,9 @@ def show(r: dict[str, Any]) -> None:
             f"longest gap: {x['gap_ms']:.0f} ms at {x['at_s']:.2f}s, request {x['request']} ({x['kind']}) after"
             f" token {x['after_token']}; fault: {x['fault']}"
         )
-    for problem in r["history_problems"] + r["node_problems"] + r["leaks"]:
+    for problem in (r["history_problems"] + r["node_problems"] + r["leaks"])[:SHOWN]:
         console.print(f"[bold red]problem:[/] {problem}")
-    for failure in r["failures"]:
+    for failure in r["failures"][:SHOWN]:
         console.print(f"[bold red]failed request:[/] {failure}")
     if not r["passed"]:
         console.print(f"[bold red]soak failed[/]: replay it with --seed {r['seed']}; the fault timeline:")
