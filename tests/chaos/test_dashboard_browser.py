@@ -26,8 +26,8 @@ ARTIFACTS = Path(os.environ.get("STEADFAST_TEST_ARTIFACTS", ROOT / "test-artifac
 CONFIG = (
     "model: {dtype: float32, device: cpu}\n"
     "cache: {kv_memory_mb: 128}\n"
+    "server: {workers: 1, standby_workers: 1, status_interval_s: 0.25}\n"
     "fault_recovery: {lease: {renew_interval_ms: 100, lease_timeout_ms: 1000}}\n"
-    "server:\n  workers: 1\n  standby_workers: 1\n  status_interval_s: 0.25\n"
 )
 
 
@@ -69,7 +69,8 @@ def test_the_dashboard_shows_a_killed_worker_its_takeover_and_the_level(tmp_path
         soak = tmp_path / "soak.json"
         shutil.copy(ROOT / "benchmarks" / "results" / "soak_60min.json", soak)
         shutil.copy(ROOT / "benchmarks" / "results" / "soak_60min.png", soak.with_suffix(".png"))
-        config = CONFIG + f"  soak_report: {soak}\n"
+        config = CONFIG.replace("status_interval_s: 0.25}", f"status_interval_s: 0.25, soak_report: '{soak}'}}")
+        assert config != CONFIG
         proc, port, report = chaos(tmp_path, "kill-worker", config, small_model_path, *args)
         url = f"http://127.0.0.1:{port}"
         try:
