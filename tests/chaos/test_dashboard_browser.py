@@ -65,10 +65,10 @@ def test_the_dashboard_shows_a_killed_worker_its_takeover_and_the_level(tmp_path
         browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         args = ("--streams", "3", "--at", "0.5", "--linger", "180")
-        # The last soak's report beside it (a real one: the 60-minute soak's, and its timeline PNG).
+        # The last soak's report beside it (a real one: a 60-minute soak's that failed, and its timeline PNG).
         soak = tmp_path / "soak.json"
-        shutil.copy(ROOT / "benchmarks" / "results" / "soak_60min.json", soak)
-        shutil.copy(ROOT / "benchmarks" / "results" / "soak_60min.png", soak.with_suffix(".png"))
+        shutil.copy(ROOT / "benchmarks" / "results" / "soak_60min_d5d1a41.json", soak)
+        shutil.copy(ROOT / "benchmarks" / "results" / "soak_60min_d5d1a41.png", soak.with_suffix(".png"))
         config = CONFIG.replace("status_interval_s: 0.25}", f"status_interval_s: 0.25, soak_report: '{soak}'}}")
         assert config != CONFIG
         proc, port, report = chaos(tmp_path, "kill-worker", config, small_model_path, *args)

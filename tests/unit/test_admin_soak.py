@@ -29,7 +29,7 @@ def client(path: str) -> TestClient:
 
 def test_the_last_soak_is_summarised_with_its_timeline_and_no_request_id(tmp_path):
     report = tmp_path / "soak.json"
-    shutil.copy(RESULTS / "soak_60min.json", report)  # a real report: the 60-minute soak's
+    shutil.copy(RESULTS / "soak_60min_d5d1a41.json", report)  # a real report: a 60-minute soak's that failed
     c = client(str(report))
     r = c.get("/admin/soak")
     assert r.status_code == 200
@@ -43,11 +43,19 @@ def test_the_last_soak_is_summarised_with_its_timeline_and_no_request_id(tmp_pat
     assert len(got["failures"]) == min(admin_soak.SHOWN, len(full["failures"])) and got["failures"]
     assert "chatcmpl-" not in r.text  # request ids shown as tags only
     assert got["timeline"] is False and c.get("/admin/soak.png").status_code == 404
-    shutil.copy(RESULTS / "soak_60min.png", report.with_suffix(".png"))
+    shutil.copy(RESULTS / "soak_60min_d5d1a41.png", report.with_suffix(".png"))
     assert c.get("/admin/soak").json()["timeline"] is True
     png = c.get("/admin/soak.png")
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"
     assert png.content[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_passed_soak_says_so_with_no_failures(tmp_path):
+    report = tmp_path / "soak.json"
+    shutil.copy(RESULTS / "soak_60min.json", report)  # the latest 60-minute soak's: passed
+    got = client(str(report)).get("/admin/soak").json()
+    assert (got["passed"], got["failed"], got["failures"]) == (True, 0, [])
+    assert got["requests"] == json.loads(report.read_text())["requests"] > 1000
 
 
 def test_no_report_configured_missing_unreadable_or_too_big_is_a_clear_error(tmp_path, monkeypatch):

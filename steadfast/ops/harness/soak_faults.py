@@ -318,9 +318,12 @@ class Nemesis:
             raise RuntimeError(f"rollout refused ({r.status_code}): {r.text[:200]}")
         deadline = time.monotonic() + ROLLOUT_MAX_S
         view = self._call("GET", "/admin/rollout").json()
-        while view["state"] == "running" and time.monotonic() < deadline:
+        while view.get("state") == "running" and time.monotonic() < deadline:
             time.sleep(1.0)
             view = self._call("GET", "/admin/rollout").json()
+        if "state" not in view:  # a restarted router knows no rollout: the one it ran stopped with it
+            s.what = f"rollout cut short by a router restart ({view.get('error', {}).get('message', view)})"
+            return
         retired = sum(1 for step in view["steps"] if step["step"] == "retired")
         why = f": {view['error']}" if view["error"] else ""
         joined = "" if r.status_code == 202 else " (one already running)"
