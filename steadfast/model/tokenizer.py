@@ -21,6 +21,18 @@ from steadfast.model.gguf_meta import ModelLoadError, field_value, open_gguf
 
 CONTROL = 3
 USER_DEFINED = 4
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: each of the 256 bytes has a printable stand-in (itself
+    where printable and not a space, else 256 + its rank among the rest)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(rest)}
+
+
+_UNICODE_TO_BYTE = _byte_alphabet()
 
 # Split rules for GGUF pre-tokenizer names whose merges were learned on something other than GPT-2's.
 _LLAMA3_SPLIT = (
@@ -116,10 +128,11 @@ class TokenizerInfo:
 class GGUFTokenizer:
     """Text ↔ token ids for one GGUF model, plus its chat template."""
 
-    def __init__(self, tokenizer: Tokenizer, info: TokenizerInfo, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, info: TokenizerInfo, vocab_size: int, byte_level: bool = True) -> None:
         self.tok = tokenizer
         self.info = info
         self.vocab_size = vocab_size
+        self.byte_level = byte_level  # GPT-2's byte-level BPE, else a sentencepiece vocabulary
         self._template = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(
             info.chat_template
         )
@@ -176,7 +189,7 @@ class GGUFTokenizer:
             add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
             chat_template=field_value(reader, "tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE,
         )
-        return cls(tok, info, len(tokens))
+        return cls(tok, info, len(tokens), byte_level=kind == "gpt2")
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
@@ -190,6 +203,19 @@ class GGUFTokenizer:
     def token_text(self, token_id: int) -> str:
         return self.tok.id_to_token(token_id) or ""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for alone (OpenAI's logprobs `bytes`): a byte-level piece read back
+        through GPT-2's byte alphabet, a sentencepiece `<0xNN>` as its byte and `▁` as a space; a control
+        token as its text."""
+        piece = self.token_text(token_id)
+        if piece in self._control:
+            return piece.encode()
+        if self.byte_level:
+            return bytes(_UNICODE_TO_BYTE.get(c, 0x3F) for c in piece)  # (0x3F "?": a char outside the alphabet)
+        if _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("▁", " ").encode()
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         bos = self.token_text(self.info.bos_token_id) if self.info.bos_token_id is not None else ""
         eos = self.token_text(self.info.eos_token_ids[0]) if self.info.eos_token_ids else ""
@@ -197,19 +223,19 @@ class GGUFTokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat: control tokens where the template writes them, and the text of
         the messages as plain text, so a message cannot end its turn or open another role's."""
         # The template writes any BOS it wants itself, so none is added here.
         control = self._control_text
         if control is None:
-            return self.encode(self.render_chat(messages), add_special=False)
+            return self.encode(self.render_chat(messages, add_generation_prompt), add_special=False)
         stand_in, spelled = self._stand_ins(messages)
 
         def disarm(value: Any) -> Any:
             return control.sub(lambda m: stand_in[m[0]], value) if isinstance(value, str) else value
 
-        text = self.render_chat([{k: disarm(v) for k, v in m.items()} for m in messages])
+        text = self.render_chat([{k: disarm(v) for k, v in m.items()} for m in messages], add_generation_prompt)
         back = str.maketrans(spelled)
         ids: list[int] = []
         start = 0

@@ -76,10 +76,29 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     speculative: bool = True  # may verify draft tokens, where its worker speculates (same output either way)
+    # Appended (array_like: an older checkpoint's shorter array decodes with these neutral defaults).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # >1: tokens of the prompt or output less likely (vLLM's)
+    min_p: float = 0.0
+    min_tokens: int = 0  # no EOS, stop id or stop string before this many output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int = -1  # -1: none; else each token's logprob and this many likeliest alternatives (≤ 20)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts(self) -> bool:
+        """Its logits change before sampling (penalties, bias, min_tokens): rows without stay untouched."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+        )
 
 
 class Resume(msgspec.Struct, array_like=True):
@@ -198,6 +217,15 @@ class Promote(msgspec.Struct, tag="promote", array_like=True):
     role: WorkerRole = WorkerRole.MIXED
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One output token's log-probability under the model (its raw log-softmax) and the likeliest
+    alternatives', as many as the request asked for."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     token_ids: list[int]
@@ -216,6 +244,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # An error of this worker's computing, not of the request (an engine error, non-finite logits): the
     # router retries the request once on another worker instead of failing it.
     retryable: bool = False
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, where the request asked
 
 
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):

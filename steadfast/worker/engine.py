@@ -20,14 +20,24 @@ from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
 from steadfast.util.failpoints import broken
 from steadfast.util.log import about
-from steadfast.wire.worker import AddRequest, Degrade, FinishReason, Handoff, Migrate, RequestOutput, Resume, Route
+from steadfast.wire.worker import (
+    AddRequest,
+    Degrade,
+    FinishReason,
+    Handoff,
+    Migrate,
+    RequestOutput,
+    Resume,
+    Route,
+    TokenLogprob,
+)
 from steadfast.worker.core.block_cache import BlockSource
 from steadfast.worker.core.block_manager import BlockManager
 from steadfast.worker.core.detokenizer import Detokenizer
 from steadfast.worker.core.isolation import NonFiniteLogitsError, find_culprits, without
 from steadfast.worker.core.request import Request, Status
 from steadfast.worker.core.runner import ModelRunner
-from steadfast.worker.core.sampler import sample
+from steadfast.worker.core.sampler import Sampled, sample_rows
 from steadfast.worker.core.scheduler import ScheduledStep, Scheduler
 from steadfast.worker.core.speculation import Speculator
 from steadfast.worker.core.step_cost import StepCost
@@ -114,11 +124,11 @@ class Engine:
             self._reject(msg, f"request needs more KV blocks than this worker has ({self.blocks.num_blocks})")
             return
         request = Request(msg.request_id, msg.prompt_ids, msg.params, msg.priority)
-        detok = Detokenizer(self.tokenizer, msg.prompt_ids, msg.params.stop)
+        detok = Detokenizer(self.tokenizer, msg.prompt_ids, msg.params.stop, msg.params.min_tokens)
         resume = msg.resume
         if msg.handoff is not None:
             if self.kv.claim(request, msg):
-                self._restore_text(detok, request.output_ids, msg.resume)
+                detok.restore(request.output_ids, None if msg.resume is None else msg.resume.text_chars)
                 self._admit(request, detok)
                 self.scheduler.add_running(request)
                 return
@@ -149,15 +159,6 @@ class Engine:
         self.requests[request.request_id] = request
         self._detok[request.request_id] = detok
 
-    @staticmethod
-    def _restore_text(detok: Detokenizer, tokens: list[int], resume: Resume | None) -> None:
-        """The text state as the client saw it: stop-string holdback included."""
-        for token in tokens:
-            detok.add(token)
-        if resume is not None:
-            # Not clamped: a client holding more text than the tokens spell gets none of it again.
-            detok.sent = resume.text_chars
-
     def _resume(self, request: Request, detok: Detokenizer, msg: AddRequest, resume: Resume) -> bool:
         """Continue a request a dead worker was serving, from what its client already has."""
         done = resume.output_ids
@@ -166,7 +167,7 @@ class Engine:
             return False
         t0 = time.perf_counter()
         request.output_ids = list(done)
-        self._restore_text(detok, done, resume)
+        detok.restore(done, resume.text_chars)
         request.client_has_text = resume.text_chars > 0
         mode = self.cfg.fault_recovery.kv_cache.recovery_mode
         request.recovery = recover(mode, self.sync, self.blocks, request, self.offload)
@@ -279,19 +280,19 @@ class Engine:
         timed = True
         try:
             t1 = time.perf_counter()
-            samplers, tokens = self._compute(scheduled, hook)
+            sampled = self._compute(scheduled, hook)
             self.spec.time_step(scheduled, time.perf_counter() - t1)
         except Exception as failure:
             timed = False  # the step's time is the failed try's and the probes': not a step's cost
             isolated = self._isolate(scheduled, hook, outputs, failure)
             if isolated is None:
                 return outputs
-            scheduled, (samplers, tokens) = isolated
-        new = self.spec.accept(scheduled.verifies, samplers, tokens)
+            scheduled, sampled = isolated
+        new = self.spec.accept(scheduled.verifies, sampled.rows, sampled.tokens)
         prompt_done = self._advance(scheduled, new)
         for request, produced in new:
-            for token in produced:
-                outputs.append(self._append(request, token))
+            for k, token in enumerate(produced):
+                outputs.append(self._append(request, token, sampled.logprob(request.request_id, k)))
                 if request.status is Status.FINISHED:
                     break  # a stop inside accepted drafts: what follows it is not output
         self.steps += 1
@@ -311,7 +312,7 @@ class Engine:
         self.last_step_end = time.monotonic()
         return outputs
 
-    def _compute(self, scheduled: ScheduledStep, hook: Callable[[int], None] | None) -> tuple[list[Request], list[int]]:
+    def _compute(self, scheduled: ScheduledStep, hook: Callable[[int], None] | None) -> Sampled:
         """The forward pass and the sampling of one step: nothing but the step's KV slots changes."""
         logits, samplers = self.runner.execute(scheduled, hook)
         if self.nonfinite_failpoint and broken(self.nonfinite_failpoint):
@@ -322,12 +323,8 @@ class Engine:
         if not bool(finite.all()):
             bad = {samplers[i].request_id for i in (~finite).nonzero().flatten().tolist()}
             raise NonFiniteLogitsError(bad)
-        # A verifying request's rows draw tokens len(output), len(output) + 1, ...: each with its own seed.
-        indices, seen = [], {}
-        for r in samplers:
-            offset = seen[r.request_id] = seen.get(r.request_id, -1) + 1
-            indices.append(len(r.output_ids) + offset)
-        return samplers, sample(logits, [r.params for r in samplers], indices)
+        drafts = {r.request_id: d for r, d in scheduled.verifies}
+        return sample_rows(logits, samplers, drafts, self.tokenizer.info.eos_token_ids)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The scheduler's drafter: at most what the budget, `max_tokens` and the context leave; none
@@ -349,7 +346,7 @@ class Engine:
         hook: Callable[[int], None] | None,
         outputs: list[RequestOutput],
         failure: Exception,
-    ) -> tuple[ScheduledStep, tuple[list[Request], list[int]]] | None:
+    ) -> tuple[ScheduledStep, Sampled] | None:
         """A step failed: find the requests that fail on their own, end them with an error, and compute
         the step again without them, so one request's bad input never costs the others a token. A
         failure no single request reproduces, or that every one of several does, is the engine's own: it is
@@ -396,7 +393,7 @@ class Engine:
             prompt_done |= request.num_computed == request.num_tokens
         return prompt_done
 
-    def _append(self, request: Request, token: int) -> RequestOutput:
+    def _append(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         request.output_ids.append(token)
         self.generated_tokens += 1
         p = request.params
@@ -417,6 +414,7 @@ class Engine:
             num_prompt_tokens=len(request.prompt_ids),
             num_cached_tokens=request.num_cached,
             index=len(request.output_ids) - 1,
+            logprobs=None if logprob is None else [logprob],
         )
         if request.recovery is not None:  # the first token after a takeover reports what it cost
             out.route, out.adopted_tokens = request.recovery

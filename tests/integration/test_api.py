@@ -124,6 +124,7 @@ def test_stop_strings_seed_and_priority(client, model):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+HI = [{"role": "user", "content": "hi"}]
 BAD = [
     ("malformed json", "/v1/chat/completions", b'{"model": "m", "messages": [', 400, None),
     ("body not an object", "/v1/completions", b"[1, 2]", 400, None),
@@ -191,11 +192,110 @@ BAD = [
     ("bad priority", "/v1/completions", {"model": "MODEL", "prompt": "x", "priority": "urgent"}, 400, "priority"),
     ("too many stops", "/v1/completions", {"model": "MODEL", "prompt": "x", "stop": list("abcde")}, 400, "stop"),
     (
-        "penalty asked",
+        "penalty out of range",
         "/v1/completions",
-        {"model": "MODEL", "prompt": "x", "presence_penalty": 1.0},
+        {"model": "MODEL", "prompt": "x", "presence_penalty": 2.5},
         400,
         "presence_penalty",
+    ),
+    # Fields a peer documents were dropped with a 200 before: each is now a 400 naming it (issue 50 §7).
+    ("logprobs over 20", "/v1/completions", {"model": "MODEL", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (
+        "top_logprobs over 20",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": HI, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "repetition_penalty zero",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "repetition_penalty": 0},
+        400,
+        None,
+    ),
+    ("min_p above one", "/v1/completions", {"model": "MODEL", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    (
+        "min_tokens over max_tokens",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "min_tokens": 20, "max_tokens": 5},
+        400,
+        "min_tokens",
+    ),
+    (
+        "logit_bias key not a token",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "logit_bias": {"abc": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias id out of vocab",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "logit_bias": {"999999": 1}},
+        400,
+        "logit_bias",
+    ),
+    ("logit_bias too large", "/v1/completions", {"model": "MODEL", "prompt": "x", "logit_bias": {"1": 101}}, 400, None),
+    (
+        "logit_bias too many",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}},
+        400,
+        "logit_bias",
+    ),
+    ("guided_json", "/v1/completions", {"model": "MODEL", "prompt": "x", "guided_json": {}}, 400, "guided_json"),
+    ("regex", "/v1/completions", {"model": "MODEL", "prompt": "x", "regex": "a+"}, 400, "regex"),
+    (
+        "top_logprobs alone",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": HI, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "tool_choice alone",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": HI, "tool_choice": "auto"},
+        400,
+        "tool_choice",
+    ),
+    (
+        "functions",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": HI, "functions": [{"name": "f"}]},
+        400,
+        "functions",
+    ),
+    ("chat echo", "/v1/chat/completions", {"model": "MODEL", "messages": HI, "echo": True}, 400, "echo"),
+    (
+        "structured_outputs",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": HI, "structured_outputs": {"regex": "a"}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "continuous_usage_stats",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": HI, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        400,
+        "stream_options.continuous_usage_stats",
+    ),
+    (
+        "assistant tool_calls in the history",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "assistant", "tool_calls": [{"id": "c1"}]}, *HI]},
+        400,
+        "messages[0].tool_calls",
+    ),
+    ("store true", "/v1/chat/completions", {"model": "MODEL", "messages": HI, "store": True}, 400, "store"),
+    (
+        "metadata not strings",
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": HI, "metadata": {"a": 1}},
+        400,
+        "metadata",
     ),
 ]
 
@@ -211,6 +311,131 @@ def test_bad_input_gets_openai_error(server, model, name, path, body, status, pa
     assert err["message"] and err["type"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_fields_nobody_documents_are_reported_and_neutral_ones_served(server, client, model):
+    """Never silently dropped: a field no peer documents is named in a response header (and logged once);
+    a peer's field at its neutral value, and OpenAI's fields that cannot change the output, are served."""
+    chat = {"model": model, "messages": HI, "max_tokens": 3, "temperature": 0}
+    plain = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert plain.status_code == 200 and "x-steadfast-ignored-fields" not in plain.headers
+    odd = {**chat, "frobnicate": 1, "stream_options": {"include_usage": True, "zz\r\nX-Evil": 1}, "stream": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=odd, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-steadfast-ignored-fields"] == "frobnicate,stream_options.zz??X-Evil"
+    assert "x-evil" not in r.headers and '"finish_reason":"length"' in r.text.replace(" ", "")
+    neutral = {
+        **chat,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "skip_special_tokens": True,
+        "tool_choice": None,
+        "metadata": {"team": "eval"},
+        "store": False,
+        "service_tier": "auto",
+    }
+    r = httpx.post(server.url + "/v1/chat/completions", json=neutral, timeout=60)
+    assert r.status_code == 200 and "x-steadfast-ignored-fields" not in r.headers, r.text
+    assert r.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+    # Through the official client: `extra_body` of a peer's field is refused, not dropped.
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.chat.completions.create(model=model, messages=HI, max_tokens=2, extra_body={"guided_regex": "a+"})
+
+
+def test_logit_bias_penalties_and_min_tokens_are_served(server, client, model):
+    ask = {"model": model, "prompt": "The capital of France is", "temperature": 0}
+    plain = httpx.post(server.url + "/v1/completions", json={**ask, "max_tokens": 4, "return_token_ids": True}).json()
+    first = plain["choices"][0]["token_ids"][0]
+    extra = {"return_token_ids": True}
+    barred = client.completions.create(**ask, max_tokens=4, logit_bias={str(first): -100}, extra_body=extra)
+    assert barred.choices[0].model_extra["token_ids"][0] != first
+    penalized = client.completions.create(**ask, max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0)
+    repeated = client.completions.create(**ask, max_tokens=24)
+    assert penalized.choices[0].text != repeated.choices[0].text
+    # min_tokens: no stop before it (the stop string "." and EOS alike), then free to stop.
+    long = client.completions.create(**ask, max_tokens=40, stop=["."], extra_body={"min_tokens": 30})
+    assert long.usage.completion_tokens >= 30
+
+
+def test_logprobs_streamed_and_not_on_chat_and_completions(client, model):
+    ask = {"model": model, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12}
+    whole = client.chat.completions.create(**ask, temperature=0, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert b"".join(bytes(c.bytes) for c in content).decode() == whole.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.logprob <= 0
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # (greedy)
+    streamed = []
+    for chunk in client.chat.completions.create(**ask, temperature=0, logprobs=True, top_logprobs=3, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed += choice.logprobs.content
+                # A chunk carries the logprobs of the tokens whose text it sends.
+                assert "".join(c.token for c in choice.logprobs.content) == (choice.delta.content or "")
+    # (fp32 here: the second run's prompt comes from the prefix cache, and its logprobs differ in the 5th digit)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content, strict=True)) < 1e-4
+    plain = client.chat.completions.create(**ask, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+    done = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = done.choices[0].logprobs
+    assert "".join(lp.tokens) == done.choices[0].text and len(lp.token_logprobs) == done.usage.completion_tokens
+    assert all(
+        len(top) <= 2 and max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    alone = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=0
+    )
+    again = alone.choices[0].logprobs
+    assert max(abs(a - b) for a, b in zip(again.token_logprobs, lp.token_logprobs, strict=True)) < 1e-4
+    assert all(top == {} for top in again.top_logprobs)
+
+
+def test_one_model_is_answered_by_its_id(server, client, model):
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    r = httpx.get(server.url + "/v1/models/gpt-4o")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_gives_what_the_model_is_given_and_detokenize_takes_it_back(server, client, model):
+    url = server.url
+    done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0)
+    r = httpx.post(
+        url + "/tokenize", json={"model": model, "prompt": "The capital of France is", "return_token_strs": True}
+    )
+    got = r.json()
+    assert r.status_code == 200 and got["count"] == len(got["tokens"]) == done.usage.prompt_tokens, got
+    assert got["max_model_len"] == httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] > 0
+    assert "".join(got["token_strs"]).replace("Ġ", " ") == "The capital of France is"
+    back = httpx.post(url + "/detokenize", json={"model": model, "tokens": got["tokens"]}).json()
+    assert back == {"prompt": "The capital of France is"}
+    chat = client.chat.completions.create(model=model, messages=HI, max_tokens=1, temperature=0)
+    ids = httpx.post(url + "/tokenize", json={"messages": HI}).json()
+    assert ids["count"] == chat.usage.prompt_tokens and ids["token_strs"] is None
+    bare = httpx.post(url + "/tokenize", json={"messages": HI, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == ids["tokens"][: bare["count"]] and bare["count"] < ids["count"]
+    for path, body, status in [
+        ("/detokenize", {"tokens": [1, 10**6]}, 400),
+        ("/tokenize", {"prompt": "x", "add_bos": True}, 400),  # (a misspelt option is no silent default)
+        ("/tokenize", {"prompt": "x", "messages": HI}, 400),
+        ("/tokenize", {"model": "gpt-4o", "prompt": "x"}, 404),
+    ]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+def test_a_chat_longer_than_the_context_is_said_so_whatever_its_shape(server, model):
+    """5,462 short messages are over the message limit, but what the client must hear is that they cannot
+    fit the model's context at all."""
+    long = {"model": model, "messages": HI * 5462}
+    r = httpx.post(server.url + "/v1/chat/completions", json=long, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
 def test_server_keeps_serving_after_bad_input(client, model):

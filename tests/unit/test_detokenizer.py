@@ -48,3 +48,12 @@ def test_text_that_may_begin_a_stop_string_is_held_back(tok):
         released += d.take(final=False)
     assert not released.endswith("EN")  # could still become "END!"
     assert released + d.take(final=True) == " alpha beta EN"
+
+
+def test_no_stop_string_in_the_first_min_tokens_tokens_text(tok):
+    ids = tok.encode(" STOP one STOP two")
+    first = len(tok.encode(" STOP one"))
+    d = Detokenizer(tok, [], ("STOP",), min_tokens=first)
+    added = next(i for i, t in enumerate(ids) if d.add(t))
+    assert added == len(ids) - len(tok.encode(" two")) - 1  # (the second STOP's last token)
+    assert d.text == " STOP one "

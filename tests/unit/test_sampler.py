@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from steadfast.wire.worker import SamplingParams
-from steadfast.worker.core.sampler import sample, step_seed
+from steadfast.worker.core.sampler import adjust, logprobs_of, sample, step_seed
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +76,38 @@ def test_step_seed_is_stable_and_spread():
     seeds = {step_seed(s, i) for s in range(50) for i in range(50)}
     assert len(seeds) == 2500
     assert all(0 <= x < 2**63 for x in seeds)
+
+
+def test_adjust_applies_each_rule_to_its_row_alone():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0], [2.0, -1.0, 0.5, 1.0]])
+    plain = SamplingParams(temperature=0.0)
+    rep = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    out = adjust(logits, [plain, rep], [[0], [0, 1]], [[], [2]], eos=[3])
+    assert out[0].tolist() == [2.0, -1.0, 0.5, 1.0] and logits[1, 0] == 2.0  # (no row changed in place)
+    assert out[1].tolist() == [1.0, -2.0, 0.25, 1.0]  # prompt and output tokens: positive halved, negative doubled
+    pf = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((1, 3.0),))
+    out = adjust(logits[:1], [pf], [[0, 0, 0]], [[2, 2, 3]], eos=[3])
+    assert out[0].tolist() == [2.0, 2.0, 0.5 - 0.5 - 0.5, 1.0 - 0.5 - 0.25]  # output tokens only; bias added
+    floor = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(1,))
+    assert adjust(logits[:1], [floor], [[0]], [[0]], eos=[0])[0].tolist() == [float("-inf")] * 2 + [0.5, 1.0]
+    assert adjust(logits[:1], [floor], [[0]], [[0, 2]], eos=[0])[0].tolist() == [2.0, -1.0, 0.5, 1.0]
+    assert adjust(logits, [plain, plain], [[0], [0]], [[], []], eos=[3]) is logits  # (nothing asked: no copy)
+
+
+def test_min_p_drops_what_is_far_below_the_likeliest():
+    logits = logits_of(0.5, 0.3, 0.15, 0.05)
+    drawn = {sample(logits, [SamplingParams(temperature=1.0, min_p=0.2, seed=s)], [0])[0] for s in range(200)}
+    assert drawn == {0, 1, 2}  # 0.05 < 0.2 x 0.5: never; the others all drawn
+    drawn = {sample(logits, [SamplingParams(temperature=1.0, seed=s)], [0])[0] for s in range(200)}
+    assert drawn == {0, 1, 2, 3}
+
+
+def test_logprobs_are_of_the_raw_row_and_only_where_asked():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 3.0]])
+    asked = SamplingParams(temperature=0.0, logprobs=2, logit_bias=((1, 50.0),))
+    got = logprobs_of(logits, [SamplingParams(temperature=0.0), asked], [0, 1])
+    ref = torch.log_softmax(logits[1], -1)
+    assert got[0] is None
+    assert got[1].logprob == float(ref[1])  # the token drawn (biased to it), at its raw probability
+    assert got[1].top_ids == [2, 0] and got[1].top_logprobs == ref[[2, 0]].tolist()
+    assert logprobs_of(logits[:1], [SamplingParams(logprobs=0)], [1])[0].top_ids == []

@@ -3,8 +3,10 @@ counts what a client lost, got twice or got changed, and puts each gap under the
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
+from steadfast.ops.harness import soak_faults
 from steadfast.ops.harness.chaos import Stream
 from steadfast.ops.harness.soak import Sent, catalogue
 from steadfast.ops.harness.soak_check import diff, gaps_by_fault, longest_gaps, outcome, report
@@ -48,6 +50,25 @@ def test_each_request_is_exact_refused_or_failed():
     assert (r["exact"], r["failed"], r["tokens"]["lost"], r["passed"]) == (1, 1, 1, False)
 
 
+def test_logprobs_are_checked_where_asked_within_the_tolerance():
+    want, lps = [5, 6, 7], [-0.5, -1.25, -2.0]
+    ok = _sent(want)
+    ok.stream.logprobs = [-0.5, -1.25, -2.0 + 1e-7]
+    assert outcome(ok, want, lps, tolerance=1e-5) == "exact" and outcome(ok, want, lps) == "failed"
+    assert outcome(ok, want) == "exact"  # (none expected: none checked)
+    short = _sent(want)
+    short.stream.logprobs = lps[:2]  # one token's logprobs never came
+    key = catalogue(1)[0].key
+    r = report([short], {key: want}, [], [], [], [], {key: lps})
+    assert r["failed"] == 1 and r["failures"][0]["logprobs_differ_at"] == 2
+    asks = catalogue(3)
+    assert (
+        {a.kind for a in asks if a.logprobs}
+        == {a.kind for a in asks if a.adjusted}
+        == {"greedy", "seeded", "long", "chat"}
+    )
+
+
 def test_a_gap_is_the_fault_s_that_struck_before_it():
     kill = Struck("kill-worker", at=100.0)
     near = _sent([1, 2, 3], arrivals=[99.0, 100.5, 100.6])  # 1.5 s across the kill
@@ -72,3 +93,16 @@ def test_the_longest_gaps_name_their_request_token_and_fault():
         "fault": "kill-worker at 10.00s: worker 2 killed",
     }
     assert top[1]["fault"] == "none" and top[1]["after_token"] == 3
+
+
+def test_a_rollout_cut_short_by_a_router_restart_is_said_so_unproven(monkeypatch):
+    """Found by the third 60-minute soak: the restarted router knows no rollout (404) and the fault's
+    harness failed on the error body (KeyError) instead of saying what happened."""
+    answers = iter(
+        [httpx.Response(202, json={}), httpx.Response(404, json={"error": {"message": "no rollout has run"}})]
+    )
+    monkeypatch.setattr(soak_faults.httpx, "request", lambda *a, **kw: next(answers))
+    nemesis = soak_faults.Nemesis("http://127.0.0.1:1", list, None, None, 5.0, seed=1)
+    s = Struck("rollout", 0.0)
+    nemesis._rollout(s)
+    assert s.what == "rollout cut short by a router restart (no rollout has run)" and s.proof is None

@@ -34,10 +34,12 @@ from steadfast.control.http.errors import (
     validation_error_handler,
 )
 from steadfast.control.http.guard import Guard, GuardConfig, identity_of
+from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
-from steadfast.control.http.serving import ServingContext, admit, check_model
+from steadfast.control.http.serving import ServingContext, admit, check_model, check_model_name
 from steadfast.control.http.streams import respond, stream_chat, stream_completion
 from steadfast.control.http.tags import request_tag
+from steadfast.control.http.tokenize import add_tokenize_routes
 from steadfast.control.http.truncate import cut_chat, cut_prompt
 
 # What every route may answer besides its 200, documented so clients (and schemathesis) know it.
@@ -233,6 +235,7 @@ def create_app(
     add_health_routes(app, ctx)
     add_dashboard_routes(app, dashboard or Dashboard(ctx))
     add_soak_routes(app, soak_report)
+    add_tokenize_routes(app, ctx)
 
     @app.get("/admin/takeovers")
     async def admin_takeovers() -> list[dict[str, Any]]:
@@ -253,24 +256,27 @@ def create_app(
             for t in ctx.client.takeovers
         ]
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "steadfast",
+            "max_model_len": ctx.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": ctx.model_name,
-                    "object": "model",
-                    "created": ctx.created,
-                    "owned_by": "steadfast",
-                    "max_model_len": ctx.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model_name(ctx, model_id)
+        return model_card()
 
     @app.post("/v1/completions", responses=ANSWERS)
     async def completions(body: CompletionRequest, http: Request) -> Response:
-        check_model(ctx, body)
+        ignored = check_model(ctx, body)
         body.priority = served_priority(body.priority, http)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -299,16 +305,25 @@ def create_app(
 
         prepared = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut, resuming(body, http))
 
-        def choice(text: str) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": None}
+        def choice(text: str, entries: list[Entry] | None) -> dict[str, Any]:
+            lp = None if entries is None else completion_logprobs(ctx.names, entries, 0)
+            return {"index": 0, "text": text, "logprobs": lp}
 
-        return await respond(ctx, prepared, body, http, stream_completion, "text_completion", choice)
+        return await respond(ctx, prepared, body, http, stream_completion, "text_completion", choice, ignored)
 
     @app.post("/v1/chat/completions", responses=ANSWERS)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
-        check_model(ctx, body)
+        ignored = check_model(ctx, body)
         body.priority = served_priority(body.priority, http)
         if len(body.messages) > ctx.limits.max_messages:
+            at_least = len(body.messages) * ctx.message_tokens
+            if at_least >= ctx.max_model_len:  # (too long whatever else: the client's real problem)
+                raise APIError(
+                    f"This model's maximum context length is {ctx.max_model_len} tokens, but your {len(body.messages)} "
+                    f"messages take at least {at_least} tokens. Please shorten the conversation.",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
             raise APIError(
                 f"This request has {len(body.messages)} messages; the limit is {ctx.limits.max_messages}.",
                 param="messages",
@@ -325,10 +340,11 @@ def create_app(
 
         prepared = await admit(ctx, body, ids, body.token_limit, "chatcmpl", cut, resuming(body, http))
 
-        def choice(text: str) -> dict[str, Any]:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        def choice(text: str, entries: list[Entry] | None) -> dict[str, Any]:
+            lp = None if entries is None else chat_logprobs(ctx.names, entries)
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp}
 
-        return await respond(ctx, prepared, body, http, stream_chat, "chat.completion", choice)
+        return await respond(ctx, prepared, body, http, stream_chat, "chat.completion", choice, ignored)
 
     return app
 

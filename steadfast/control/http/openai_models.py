@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API, validated strictly (a string is not a number).
 
 Fields OpenAI defines that Steadfast does not implement are accepted only at their neutral value; any
-other value is a 400 naming the field, never silently ignored. Extensions: `top_k`, `priority`,
+other value is a 400 naming the field, never silently ignored. Undeclared fields are kept (`extra="allow"`)
+for fields.py to sort: a peer's field refused or accepted, anyone else's reported. Extensions: `top_k`, `priority`,
 `ignore_eos`, `stop_token_ids`, `return_token_ids` (each choice also carries its token ids), `speculative`
 (false: this request never drafts, where the worker speculates; its output is the same either way).
 Every string, wherever it is in a body, must be valid Unicode: a lone surrogate (JSON `"\\ud800"`) is a 400.
@@ -22,6 +23,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
 
 # A JSON number: an int is taken (as a float), a bool or a string is not. Not `StrictFloat | StrictInt`:
@@ -32,6 +34,7 @@ Number = StrictFloat
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's own bound
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -55,14 +58,25 @@ def _unicode(value: Any) -> Any:
 Text = Annotated[StrictStr, AfterValidator(_unicode)]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Open(BaseModel):
+    """A body part that keeps its undeclared fields for fields.py, held to the same rules as the rest
+    (valid Unicode) and in name order, so the body's digest does not depend on their order."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _extra(self) -> _Open:
+        if self.__pydantic_extra__:
+            _unicode(self.__pydantic_extra__)
+            self.__pydantic_extra__ = dict(sorted(self.__pydantic_extra__.items()))
+        return self
+
+
+class StreamOptions(_Open):
     include_usage: StrictBool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _Sampling(_Open):
     model: Text
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
@@ -77,9 +91,14 @@ class _Sampling(BaseModel):
     ignore_eos: StrictBool = False
     speculative: StrictBool = True
     return_token_ids: StrictBool = False
-    presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: Annotated[dict[str, Any], AfterValidator(_unicode)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[Number, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
+    logit_bias: (
+        Annotated[dict[Text, Annotated[Number, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)] | None
+    ) = None
     user: Text | None = None
 
     @field_validator("stop")
@@ -96,12 +115,16 @@ class _Sampling(BaseModel):
         """(param, why) for the first feature asked for that is not implemented."""
         if self.n != 1:
             return "n", "only n=1 is supported"
-        if self.presence_penalty != 0 or self.frequency_penalty != 0:
-            param = "presence_penalty" if self.presence_penalty != 0 else "frequency_penalty"
-            return param, "presence and frequency penalties are not supported; leave them at 0"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         return None
+
+    def bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; ValueError naming a key that is no token id here."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit() or int(key) >= vocab:
+                raise ValueError(f"'logit_bias' key {key[:32]!r} is not a token id in [0, {vocab})")
+            pairs.append((int(key), float(value)))
+        return tuple(sorted(pairs))
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -116,11 +139,14 @@ class CompletionRequest(_Sampling):
     best_of: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     suffix: Text | None = None
 
+    @property
+    def logprob_count(self) -> int:
+        """The worker's `logprobs`: -1 none, else the alternatives per token (0: the chosen token's alone)."""
+        return -1 if self.logprobs is None else self.logprobs
+
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
             return "echo", "echo is not supported"
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
         if self.best_of not in (None, 1):
             return "best_of", "best_of is not supported"
         if self.suffix:
@@ -134,8 +160,7 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
@@ -151,17 +176,21 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Any], AfterValidator(_unicode)] | None = None
     response_format: Annotated[dict[str, Any], AfterValidator(_unicode)] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
         if self.tools:
             return "tools", "tool calling is not supported"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format", "only the text response format is supported"
         return super().unsupported()
+
+    @property
+    def logprob_count(self) -> int:
+        """The worker's `logprobs`: -1 none, else the alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
     @property
     def token_limit(self) -> int | None:

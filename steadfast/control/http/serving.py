@@ -5,6 +5,7 @@ metrics while it runs. No HTTP routing here (api.py), no SSE framing (streams.py
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 import uuid
@@ -16,6 +17,8 @@ from typing import Any, TypeVar
 from steadfast.control.fleet.client import RESUMED_ELSEWHERE, EngineClient
 from steadfast.control.fleet.resume import Known
 from steadfast.control.http.errors import APIError, refusal_error
+from steadfast.control.http.fields import IgnoredReport, unknown_fields
+from steadfast.control.http.logprobs import TokenNames
 from steadfast.control.http.metrics import Metrics
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.resume_token import ResumeSigner, body_digest
@@ -53,6 +56,21 @@ class ServingContext:
     # Tokenizing and template rendering run here, never on the event loop that writes every stream.
     tokenize_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "tokenize"))
     keepalive_s: float = 10.0  # an SSE stream with nothing to send this long gets a comment (server.sse_keepalive)
+    ignored: IgnoredReport = field(default_factory=IgnoredReport)
+
+    @functools.cached_property
+    def names(self) -> TokenNames:
+        return TokenNames(self.tokenizer)
+
+    @functools.cached_property
+    def message_tokens(self) -> int:
+        """The fewest tokens the chat template spends on one more (empty) message: 0 if it can spend none."""
+        encode = self.tokenizer.encode_chat
+        costs = []
+        for role in ("user", "assistant"):
+            one = {"role": role, "content": ""}
+            costs.append(len(encode([one, one])) - len(encode([one])))
+        return max(0, min(costs))
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -187,6 +205,10 @@ def prepare(
     bad_stop = next((t for t in body.stop_token_ids or () if t >= vocab), None)
     if bad_stop is not None:
         raise APIError(f"Token id {bad_stop} in 'stop_token_ids' is not in [0, {vocab}).", param="stop_token_ids")
+    try:
+        bias = body.bias(vocab)
+    except ValueError as exc:
+        raise APIError(f"{exc}.", param="logit_bias") from exc
     # top_k of the vocabulary or more keeps every token: no filter at all.
     top_k = body.top_k if body.top_k and 0 < body.top_k < vocab else 0
     seed = body.seed if body.seed is not None else random.getrandbits(63)  # fixed at admission, kept with it
@@ -200,24 +222,44 @@ def prepare(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         speculative=body.speculative,
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        min_p=float(body.min_p or 0.0),
+        min_tokens=min(body.min_tokens or 0, max_tokens),  # (the ladder's L4 cap may be under it)
+        logit_bias=bias,
+        logprobs=body.logprob_count,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])
     return Prepared(rid, prompt_ids, add, include_usage, body.return_token_ids)
 
 
-def check_model(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.model != ctx.model_name:
+def check_model_name(ctx: ServingContext, name: str | None) -> None:
+    """A 404 for a model this server does not serve (None: not named, this one)."""
+    if name is not None and name != ctx.model_name:
         raise APIError(
-            f"The model '{body.model}' does not exist. This server serves '{ctx.model_name}'.",
+            f"The model '{name[:256]}' does not exist. This server serves '{ctx.model_name}'.",
             404,
             type_="not_found_error",
             param="model",
             code="model_not_found",
         )
+
+
+def check_model(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> list[str]:
+    """A 404 for another model, a 400 for a field asking for what is not served; the fields nobody
+    documents (ignored, reported in the response)."""
+    check_model_name(ctx, body.model)
     bad = body.unsupported()
     if bad:
         raise APIError(f"Unsupported parameter '{bad[0]}': {bad[1]}.", param=bad[0], code="unsupported_parameter")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+    limit = body.token_limit if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    if body.min_tokens and limit is not None and body.min_tokens > limit:
+        raise APIError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({limit}).", param="min_tokens")
+    return unknown_fields(body, isinstance(body, ChatCompletionRequest))
 
 
 class Generation:

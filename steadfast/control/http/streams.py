@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from steadfast.control.fleet.client import EngineDeadError
 from steadfast.control.fleet.resume import Resumption, UnknownRequestError
 from steadfast.control.http.errors import APIError
+from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.resume_token import body_digest, parse_event_id
 from steadfast.control.http.serving import Generation, Prepared, ServingContext, error_output
@@ -51,11 +52,14 @@ async def until_disconnected(request: Request) -> None:
             return
 
 
-async def collect(gen: Generation, http: Request) -> tuple[str, list[int]] | None:
-    """All of a non-streamed request's text, or None if the client left first (request aborted)."""
+async def collect(gen: Generation, http: Request) -> tuple[str, list[int], list[Entry]] | None:
+    """All of a non-streamed request's text, its token ids and their logprobs (where asked), or None if
+    the client left first (request aborted)."""
 
-    async def run() -> tuple[str, list[int]]:
-        texts, ids = [], []
+    async def run() -> tuple[str, list[int], list[Entry]]:
+        texts: list[str] = []
+        ids: list[int] = []
+        entries: list[Entry] = []
         async for out in gen.outputs():
             if out is None:
                 continue
@@ -63,7 +67,8 @@ async def collect(gen: Generation, http: Request) -> tuple[str, list[int]] | Non
                 raise error_output(out)
             texts.append(out.text)
             ids.extend(out.token_ids)
-        return "".join(texts), ids
+            entries.extend(zip(out.token_ids, out.logprobs or (), strict=False))
+        return "".join(texts), ids, entries
 
     work = asyncio.ensure_future(run())
     gone = asyncio.ensure_future(until_disconnected(http))
@@ -86,23 +91,27 @@ async def respond(
     http: Request,
     streamer: Callable[[ServingContext, Generation], AsyncIterator[bytes]],
     obj: str,
-    choice: Callable[[str], dict[str, Any]],
+    choice: Callable[[str, list[Entry] | None], dict[str, Any]],
+    ignored: Sequence[str] = (),
 ) -> Response:
     """Run an admitted request: an SSE stream, or one JSON body once it is done. A stream request
-    carrying `Last-Event-ID` continues the request that event belongs to instead of starting anew."""
+    carrying `Last-Event-ID` continues the request that event belongs to instead of starting anew.
+    `ignored`: its fields nobody documents, named in a response header."""
     stream = body.stream
     last_event = http.headers.get("last-event-id")
     if last_event and stream:
         prepared = reconnect(ctx, prepared, last_event, body_digest(body))
     gen = Generation(ctx, prepared)
-    headers = {DEGRADATION_HEADER: prepared.notice.header()} if prepared.notice is not None else None
+    headers = ctx.ignored.header(ignored)
+    if prepared.notice is not None:
+        headers[DEGRADATION_HEADER] = prepared.notice.header()
     if stream:
         return StreamingResponse(streamer(ctx, gen), media_type="text/event-stream", headers=headers)
     result = await collect(gen, http)
     if result is None:
         return Response(status_code=499)  # the client left; its request was aborted
-    text, ids = result
-    first = {**choice(text), "finish_reason": gen.finish_reason}
+    text, ids, entries = result
+    first = {**choice(text, entries if prepared.add.params.logprobs >= 0 else None), "finish_reason": gen.finish_reason}
     if prepared.return_token_ids:
         first["token_ids"] = ids
     body = {
@@ -188,6 +197,8 @@ async def stream(
         )
 
     outputs = gen.outputs(ctx.keepalive_s)
+    asked = p.add.params.logprobs >= 0
+    pending: list[Entry] = []  # logprobs of tokens whose text is not sent yet
     try:
         if first is not None and not p.have_tokens:
             yield chunk([{"index": 0, **first, "logprobs": None, "finish_reason": None}])
@@ -198,8 +209,10 @@ async def stream(
             if out.finish_reason == FinishReason.ERROR:
                 yield sse(error_output(out).body())
                 break
+            pending.extend(zip(out.token_ids, out.logprobs or (), strict=False))
             if out.text or out.finish_reason or (p.return_token_ids and out.token_ids):
-                choice = make_choice(out.text, out.finish_reason)
+                choice = make_choice(gen, out.text, out.finish_reason, pending if asked else None)
+                pending = []
                 if p.return_token_ids:
                     choice["token_ids"] = out.token_ids
                 # The event id says what the client holds after it (tokens, characters): a resume point.
@@ -219,14 +232,17 @@ def resume_at(ctx: ServingContext, gen: Generation) -> str:
 
 
 def stream_completion(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:
-    def choice(text: str, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    def choice(gen: Generation, text: str, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
+        offset = gen.text_chars - len(text)
+        lp = None if entries is None else completion_logprobs(ctx.names, entries, offset)
+        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
 
     return stream(ctx, gen, "text_completion", choice, None)
 
 
 def stream_chat(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:
-    def choice(text: str, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
+    def choice(gen: Generation, text: str, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
+        lp = None if entries is None else chat_logprobs(ctx.names, entries)
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
 
     return stream(ctx, gen, "chat.completion.chunk", choice, {"delta": {"role": "assistant", "content": ""}})

@@ -61,6 +61,7 @@ class Stream:
     refusals: int = 0  # 429/503 at admission, each waited out (Retry-After) and sent again
     accepted: bool = False  # a 200 came: the service took it
     request_id: str = ""  # the service's id for it (its chunks'), once accepted
+    logprobs: list[float] = field(default_factory=list)  # each token's, where the request asked
 
     @property
     def longest_gap(self) -> float:
@@ -114,6 +115,8 @@ def stream_body(url: str, body: dict[str, Any], s: Stream, deadline_s: float = S
                         for choice in chunk["choices"]:
                             ids = choice.get("token_ids") or []
                             s.tokens += ids
+                            if choice.get("logprobs"):  # (a chunk's are its text's tokens': in order overall)
+                                s.logprobs += [c["logprob"] for c in choice["logprobs"]["content"]]
                             s.arrivals += [time.monotonic()] * len(ids)
                             s.finish = choice.get("finish_reason") or s.finish
                         last, pending = pending or last, None

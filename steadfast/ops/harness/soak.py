@@ -56,6 +56,8 @@ class Ask:
     temperature: float
     seed: int | None
     priority: str
+    adjusted: bool = False  # with ADJUSTED's penalties: state the new owner rebuilds after a fault
+    logprobs: bool = False  # with LOGPROBS: each token's logprob checked too
 
     def body(self, model: str) -> dict[str, Any]:
         b: dict[str, Any] = {
@@ -66,7 +68,18 @@ class Ask:
             "ignore_eos": True,
             "priority": self.priority,
         }
-        return b | ({"seed": self.seed} if self.seed is not None else {})
+        return (
+            b
+            | ({"seed": self.seed} if self.seed is not None else {})
+            | (ADJUSTED if self.adjusted else {})
+            | (LOGPROBS if self.logprobs else {})
+        )
+
+
+# Sampling adjustments every fifth request carries (keys 4, 9, 14, 19: one of each kind).
+ADJUSTED = {"presence_penalty": 0.3, "frequency_penalty": 0.4, "repetition_penalty": 1.1}
+# Logprobs every fifth request asks for (keys 2, 7, 12, 17, 22).
+LOGPROBS = {"logprobs": True, "top_logprobs": 2}
 
 
 def catalogue(seed: int, size: int = 24, long_words: int = 400) -> list[Ask]:
@@ -91,7 +104,8 @@ def catalogue(seed: int, size: int = 24, long_words: int = 400) -> list[Ask]:
                 ("user", f"Begin with the part most people get wrong. (request {key})"),
             )
         seeded = kind == "seeded" or (kind == "chat" and key % 8 == 3)
-        asks.append(Ask(key, kind, messages, tokens, 0.8 if seeded else 0.0, 1000 + key if seeded else None, priority))
+        temperature, ask_seed = (0.8, 1000 + key) if seeded else (0.0, None)
+        asks.append(Ask(key, kind, messages, tokens, temperature, ask_seed, priority, key % 5 == 4, key % 5 == 2))
     return asks
 
 

@@ -44,11 +44,21 @@ def diff(want: list[int], got: list[int]) -> dict[str, int]:
     return out
 
 
-def outcome(sent: Sent, want: list[int]) -> str:
+def logprobs_differ(want: list[float] | None, got: list[float], tolerance: float) -> int | None:
+    """Where a stream's logprobs first differ from the expected (None: alike, or none expected)."""
+    if want is None:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if abs(a - b) > tolerance), None)
+    return at if at is not None or len(want) == len(got) else min(len(want), len(got))
+
+
+def outcome(sent: Sent, want: list[int], want_logprobs: list[float] | None = None, tolerance: float = 0.0) -> str:
     s = sent.stream
     if not s.accepted:
         return "refused"  # never taken by the service: waited out until the client's deadline
     if s.error or s.finish != "length" or s.tokens != want:
+        return "failed"
+    if logprobs_differ(want_logprobs, s.logprobs, tolerance) is not None:
         return "failed"
     return "exact"
 
@@ -123,13 +133,18 @@ def report(
     history_problems: list[str],
     node: list[str],
     leaks: list[str],
+    logprobs: dict[int, list[float]] | None = None,
+    tolerance: float = 0.0,
 ) -> dict[str, Any]:
+    """`logprobs`: each token's expected logprob by ask key, for the asks that want them; `tolerance`: the
+    difference allowed (0 where outputs are bit-identical whatever the batch: bf16 `model.deterministic`)."""
     outcomes = {"exact": 0, "refused": 0, "failed": 0}
     tokens = {"lost": 0, "repeated": 0, "changed": 0}
     failures = []
     for x in sent:
         want = expected[x.ask.key]
-        o = outcome(x, want)
+        want_logprobs = (logprobs or {}).get(x.ask.key)
+        o = outcome(x, want, want_logprobs, tolerance)
         outcomes[o] += 1
         if o == "failed":
             d = diff(want, x.stream.tokens)
@@ -145,6 +160,7 @@ def report(
                     "error": x.stream.error,
                     "finish": x.stream.finish,
                     "tokens": f"{len(got)} of {len(want)}, first difference at {at}",
+                    "logprobs_differ_at": logprobs_differ(want_logprobs, x.stream.logprobs, tolerance),
                     "reconnects": x.stream.reconnects,
                     "refusals": x.stream.refusals,
                     "sent_at_monotonic": round(x.at, 2),

@@ -6,16 +6,26 @@ from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import dataclass
 
 from steadfast.config import Config
-from steadfast.ops.harness.soak import Ask
+from steadfast.ops.harness.soak import ADJUSTED, LOGPROBS, Ask
 from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine
 from steadfast.worker.loaded import LoadedModel, load_model, private_arena
 
 
-def reference(cfg: Config, asks: list[Ask], loaded: LoadedModel | None = None) -> dict[int, list[int]]:
-    """Token ids by ask key, each request run to its `max_tokens` (EOS ignored, as the soak sends it)."""
+@dataclass
+class Expected:
+    tokens: dict[int, list[int]]  # by ask key, each request run to its `max_tokens` (EOS ignored, as sent)
+    logprobs: dict[int, list[float]]  # each token's, for the asks that want them
+    # The logprob difference a served run may show: none where every row is computed alike whatever the
+    # batch (`model.deterministic`); in fp32 a prefix-cache hit alone moves one by 2.5e-5 (measured).
+    tolerance: float
+
+
+def reference(cfg: Config, asks: list[Ask], loaded: LoadedModel | None = None) -> Expected:
+    """What each ask gives undisturbed."""
     loaded = loaded if loaded is not None else load_model(cfg)
     path = f"/dev/shm/steadfast-soak-reference-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv"
     engine = Engine(cfg, loaded, private_arena(cfg, loaded.model_cfg, path))
@@ -23,9 +33,15 @@ def reference(cfg: Config, asks: list[Ask], loaded: LoadedModel | None = None) -
         reqs = []
         for a in asks:
             ids = loaded.tokenizer.encode_chat([{"role": r, "content": c} for r, c in a.messages])
-            params = SamplingParams(a.max_tokens, a.temperature, seed=a.seed or 0, ignore_eos=True)
+            adjusted = ADJUSTED if a.adjusted else {}
+            logprobs = LOGPROBS["top_logprobs"] if a.logprobs else -1
+            params = SamplingParams(
+                a.max_tokens, a.temperature, seed=a.seed or 0, ignore_eos=True, logprobs=logprobs, **adjusted
+            )
             reqs.append(AddRequest(f"ask{a.key}", ids, params))
         out = engine.generate(reqs)
     finally:
         engine.arena.unlink()
-    return {a.key: [t for o in out[f"ask{a.key}"] for t in o.token_ids] for a in asks}
+    tokens = {a.key: [t for o in out[f"ask{a.key}"] for t in o.token_ids] for a in asks}
+    logprobs = {a.key: [lp.logprob for o in out[f"ask{a.key}"] for lp in o.logprobs or ()] for a in asks if a.logprobs}
+    return Expected(tokens, logprobs, 0.0 if loaded.model.deterministic else 1e-4)

@@ -125,7 +125,7 @@ def run_soak(
     stores = journal_stores(journal)
     history = [f"{store}: {p}" for store in stores for p in check_history(load_journal(journal, store))]
     out = {"seed": plan.seed, "duration_s": plan.duration_s, "late_arrivals": traffic.late}
-    out |= report(sent, expected, struck, history, node, leaks)
+    out |= report(sent, expected.tokens, struck, history, node, leaks, expected.logprobs, expected.tolerance)
     out["timeline"] = [
         {"at_s": round(f.at - t0, 2), "kind": f.kind, "what": f.what, "proven": f.proven, "error": f.error}
         for f in struck

@@ -1,18 +1,22 @@
-"""Token sampling: greedy, temperature, top-k, top-p.
+"""Token sampling: logits adjusted (min_tokens, logit_bias, penalties), then greedy or temperature,
+top-k, top-p, min-p.
 
 Token i of a request is drawn with noise from a generator seeded by (request seed, i), never from a
 process-wide RNG stream, so the same request yields the same tokens whatever batch it shares, after a
 preemption, or in another process. Sampling is the exponential race: argmax(p / E) with E ~ Exp(1)
-picks index j with probability p_j, and needs one draw per row.
+picks index j with probability p_j, and needs one draw per row. Every adjustment reads one row and the
+request's own tokens, so a takeover rebuilds it from the delivered tokens and no batch changes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from steadfast.wire.worker import SamplingParams
+from steadfast.wire.worker import SamplingParams, TokenLogprob
+from steadfast.worker.core.request import Request
 
 _MASK64 = (1 << 64) - 1
 
@@ -41,6 +45,99 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def adjust(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    eos: Sequence[int],
+) -> torch.Tensor:
+    """The logits each row samples from, as vLLM orders it: EOS and stop ids barred before `min_tokens`,
+    `logit_bias` added, then the repetition penalty (prompt and output tokens) and the presence and
+    frequency penalties (output tokens). Rows that ask for none are left as they are (no copy at all)."""
+    rows = [r for r, p in enumerate(params) if p.adjusts]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for r in rows:
+        p, row, out = params[r], logits[r], outputs[r]
+        if len(out) < p.min_tokens:
+            barred = [t for t in (*(() if p.ignore_eos else eos), *p.stop_token_ids) if t < vocab]
+            row[barred] = float("-inf")
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias, strict=True)
+            row[list(ids)] += torch.tensor(bias, dtype=row.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({*prompts[r], *out}), dtype=torch.long)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and out:
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+@dataclass
+class Sampled:
+    """A step's rows (requests, a verifying one once per position), the token each drew, and its
+    logprobs where the request asked."""
+
+    rows: list[Request]
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+    def __post_init__(self) -> None:
+        self._rows_of: dict[str, list[int]] = {}  # (only where a row has logprobs: a step without costs nothing)
+        for i, lp in enumerate(self.logprobs):
+            if lp is not None:
+                self._rows_of.setdefault(self.rows[i].request_id, []).append(i)
+
+    def logprob(self, request_id: str, k: int) -> TokenLogprob | None:
+        """The logprobs of the k-th token a request produced this step (its k-th row's: a verifying
+        request's produced tokens are the ones its rows drew, up to the first draft not kept)."""
+        rows = self._rows_of.get(request_id)
+        return None if rows is None else self.logprobs[rows[k]]
+
+
+def logprobs_of(
+    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+) -> list[TokenLogprob | None]:
+    """The raw log-softmax (the model's, before any adjustment: vLLM's default) at each drawn token and
+    the likeliest `logprobs` alternatives, for the rows that ask. One row at a time: a row's figures do
+    not depend on the rows beside it."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    for r, p in enumerate(params):
+        if p.logprobs < 0:
+            continue
+        lp = torch.log_softmax(logits[r].float(), dim=-1)
+        top = lp.topk(p.logprobs) if p.logprobs else None
+        out[r] = TokenLogprob(
+            float(lp[tokens[r]]),
+            top.indices.tolist() if top is not None else [],
+            top.values.tolist() if top is not None else [],
+        )
+    return out
+
+
+def sample_rows(
+    logits: torch.Tensor, rows: Sequence[Request], drafts: Mapping[str, Sequence[int]], eos: Sequence[int]
+) -> Sampled:
+    """One token per row of a step. A request verifying drafts has one row per position: row k draws its
+    output token len(output) + k, as if drafts[:k] were its output (a draft is kept only where it equals
+    the token drawn there, so that is the output the token follows)."""
+    indices: list[int] = []
+    outputs: list[Sequence[int]] = []
+    seen: dict[str, int] = {}
+    for r in rows:
+        k = seen[r.request_id] = seen.get(r.request_id, -1) + 1
+        indices.append(len(r.output_ids) + k)
+        outputs.append([*r.output_ids, *drafts[r.request_id][:k]] if k and r.params.adjusts else r.output_ids)
+    params = [r.params for r in rows]
+    tokens = sample(adjust(logits, params, [r.prompt_ids for r in rows], outputs, eos), params, indices)
+    return Sampled(list(rows), tokens, logprobs_of(logits, params, tokens))
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]) -> list[int]:
     """One token per row. `indices[r]` is the position in its request's output of the token drawn."""
     # logits: [rows, vocab] fp32
@@ -55,6 +152,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequ
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
             scaled = _filter(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
+        min_p = torch.tensor([params[r].min_p for r in random_rows])
+        if bool((min_p > 0).any()):  # below min_p x the likeliest token's probability: never drawn
+            probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs)
         gen = torch.Generator()
         for i, r in enumerate(random_rows):
