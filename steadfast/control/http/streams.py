@@ -211,7 +211,7 @@ async def stream(
                 break
             pending.extend(zip(out.token_ids, out.logprobs or (), strict=False))
             if out.text or out.finish_reason or (p.return_token_ids and out.token_ids):
-                choice = make_choice(gen, out.text, out.finish_reason, pending if asked else None)
+                choice = make_choice(out.text, out.finish_reason, pending if asked else None)
                 pending = []
                 if p.return_token_ids:
                     choice["token_ids"] = out.token_ids
@@ -232,7 +232,7 @@ def resume_at(ctx: ServingContext, gen: Generation) -> str:
 
 
 def stream_completion(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:
-    def choice(gen: Generation, text: str, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
+    def choice(text: str, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
         offset = gen.text_chars - len(text)
         lp = None if entries is None else completion_logprobs(ctx.names, entries, offset)
         return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
@@ -241,7 +241,7 @@ def stream_completion(ctx: ServingContext, gen: Generation) -> AsyncIterator[byt
 
 
 def stream_chat(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:
-    def choice(gen: Generation, text: str, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
+    def choice(text: str, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
         lp = None if entries is None else chat_logprobs(ctx.names, entries)
         return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
 
