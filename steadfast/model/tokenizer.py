@@ -200,6 +200,11 @@ class GGUFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def control_ids(self) -> set[int]:
+        """The ids of control tokens (EOS, the chat template's markers): never text a client wrote."""
+        return set(self._control.values())
+
     def token_text(self, token_id: int) -> str:
         return self.tok.id_to_token(token_id) or ""
 

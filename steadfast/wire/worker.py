@@ -84,6 +84,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     min_tokens: int = 0  # no EOS, stop id or stop string before this many output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int = -1  # -1: none; else each token's logprob and this many likeliest alternatives (≤ 20)
+    grammar: str = ""  # structured outputs: llguidance's grammar (model/grammar.py) every token must follow
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from steadfast.kv.arena.arena import KVArena
 from steadfast.kv.arena.tier import TierFile
 from steadfast.kv.moves.receiver import KVReceiver
 from steadfast.kv.moves.sender import KVSender
+from steadfast.model.grammar import GrammarError
 from steadfast.util.failpoints import broken
 from steadfast.util.log import about
 from steadfast.wire.worker import (
@@ -28,12 +29,12 @@ from steadfast.wire.worker import (
     Migrate,
     RequestOutput,
     Resume,
-    Route,
     TokenLogprob,
 )
 from steadfast.worker.core.block_cache import BlockSource
 from steadfast.worker.core.block_manager import BlockManager
 from steadfast.worker.core.detokenizer import Detokenizer
+from steadfast.worker.core.grammar import Constraints
 from steadfast.worker.core.isolation import NonFiniteLogitsError, find_culprits, without
 from steadfast.worker.core.request import Request, Status
 from steadfast.worker.core.runner import ModelRunner
@@ -44,7 +45,7 @@ from steadfast.worker.core.step_cost import StepCost
 from steadfast.worker.kv.connector import KVConnector
 from steadfast.worker.kv.ledger_sync import LedgerSlots, LedgerSync
 from steadfast.worker.kv.offload import LocalSlots, Offloader
-from steadfast.worker.kv.takeover import recover
+from steadfast.worker.kv.takeover import recover, report_recovery
 from steadfast.worker.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class Engine:
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self._drafts, self.offload, cost)
         self.runner = ModelRunner(loaded.model, arena, self.blocks, cfg.scheduler.decode_attention_groups)
         self.kv = KVConnector(cfg, arena, self.blocks, self.scheduler, sync, sender, receiver)
+        self.constraints = Constraints(loaded.tokenizer)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (rejections, transfers)
@@ -124,6 +126,11 @@ class Engine:
             self._reject(msg, f"request needs more KV blocks than this worker has ({self.blocks.num_blocks})")
             return
         request = Request(msg.request_id, msg.prompt_ids, msg.params, msg.priority)
+        try:
+            self.constraints.attach(request)  # (compiled before any KV is claimed; tokens replayed in _admit)
+        except GrammarError as exc:
+            self._reject(msg, f"the grammar does not compile: {exc}")
+            return
         detok = Detokenizer(self.tokenizer, msg.prompt_ids, msg.params.stop, msg.params.min_tokens)
         resume = msg.resume
         if msg.handoff is not None:
@@ -156,6 +163,8 @@ class Engine:
         return pending
 
     def _admit(self, request: Request, detok: Detokenizer) -> None:
+        if request.output_ids:  # a new owner: its grammar's state from the tokens produced
+            self.constraints.attach(request)
         self.requests[request.request_id] = request
         self._detok[request.request_id] = detok
 
@@ -314,7 +323,8 @@ class Engine:
 
     def _compute(self, scheduled: ScheduledStep, hook: Callable[[int], None] | None) -> Sampled:
         """The forward pass and the sampling of one step: nothing but the step's KV slots changes."""
-        logits, samplers = self.runner.execute(scheduled, hook)
+        masks = self.constraints.start([*scheduled.decodes, *(r for r, _ in scheduled.prefills)])
+        logits, samplers = self.runner.execute(scheduled, hook)  # (the masks are computed meanwhile)
         if self.nonfinite_failpoint and broken(self.nonfinite_failpoint):
             logits = torch.full_like(logits, float("nan"))
         # A row of NaN or inf (corrupt weights or KV, a numerics fault) would sample garbage: its request
@@ -324,7 +334,8 @@ class Engine:
             bad = {samplers[i].request_id for i in (~finite).nonzero().flatten().tolist()}
             raise NonFiniteLogitsError(bad)
         drafts = {r.request_id: d for r, d in scheduled.verifies}
-        return sample_rows(logits, samplers, drafts, self.tokenizer.info.eos_token_ids)
+        eos = self.tokenizer.info.eos_token_ids
+        return sample_rows(logits, samplers, drafts, eos, None if masks is None else masks.result())
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The scheduler's drafter: at most what the budget, `max_tokens` and the context leave; none
@@ -395,6 +406,7 @@ class Engine:
 
     def _append(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         request.output_ids.append(token)
+        self.constraints.advance(request, token)
         self.generated_tokens += 1
         p = request.params
         detok = self._detok[request.request_id]
@@ -417,14 +429,7 @@ class Engine:
             logprobs=None if logprob is None else [logprob],
         )
         if request.recovery is not None:  # the first token after a takeover reports what it cost
-            out.route, out.adopted_tokens = request.recovery
-            # Handed-over KV is not in the prefix-cache count (that is the prefill worker's).
-            moved = out.route in (Route.HANDOFF, Route.TRANSFER, Route.MIGRATED)
-            have = out.adopted_tokens if moved else request.num_cached
-            out.recomputed_tokens = request.resume_tokens - have
-            if out.route is Route.MIGRATED:
-                out.resumed_at = self._step_start
-            request.recovery = None
+            report_recovery(request, out, self._step_start)
         if reason is not None:
             self.scheduler.remove(request.request_id)
             self._finish(request, reason)

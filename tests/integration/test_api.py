@@ -244,8 +244,14 @@ BAD = [
         400,
         "logit_bias",
     ),
-    ("guided_json", "/v1/completions", {"model": "MODEL", "prompt": "x", "guided_json": {}}, 400, "guided_json"),
-    ("regex", "/v1/completions", {"model": "MODEL", "prompt": "x", "regex": "a+"}, 400, "regex"),
+    (
+        "guided_json not json",
+        "/v1/completions",
+        {"model": "MODEL", "prompt": "x", "guided_json": "{"},
+        400,
+        "guided_json",
+    ),
+    ("regex invalid", "/v1/completions", {"model": "MODEL", "prompt": "x", "regex": "[a-"}, 400, "regex"),
     (
         "top_logprobs alone",
         "/v1/chat/completions",
@@ -271,9 +277,9 @@ BAD = [
     (
         "structured_outputs",
         "/v1/chat/completions",
-        {"model": "MODEL", "messages": HI, "structured_outputs": {"regex": "a"}},
+        {"model": "MODEL", "messages": HI, "structured_outputs": {"regex": "a", "structural_tag": "x"}},
         400,
-        "structured_outputs",
+        "structured_outputs.structural_tag",
     ),
     (
         "continuous_usage_stats",
@@ -338,8 +344,8 @@ def test_fields_nobody_documents_are_reported_and_neutral_ones_served(server, cl
     assert r.status_code == 200 and "x-steadfast-ignored-fields" not in r.headers, r.text
     assert r.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
     # Through the official client: `extra_body` of a peer's field is refused, not dropped.
-    with pytest.raises(openai.BadRequestError, match="guided_regex"):
-        client.chat.completions.create(model=model, messages=HI, max_tokens=2, extra_body={"guided_regex": "a+"})
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        client.chat.completions.create(model=model, messages=HI, max_tokens=2, extra_body={"use_beam_search": True})
 
 
 def test_logit_bias_penalties_and_min_tokens_are_served(server, client, model):

@@ -28,7 +28,7 @@ def test_a_peer_field_is_refused_unless_neutral_and_a_bool_is_not_a_number():
         ({"length_penalty": 1.1}, "length_penalty"),
         ({"length_penalty": True}, "length_penalty"),  # (True == 1 in Python)
         ({"skip_special_tokens": 1}, "skip_special_tokens"),
-        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"tool_choice": "none"}, "tool_choice"),
     ]:
         with pytest.raises(APIError) as e:
@@ -37,8 +37,8 @@ def test_a_peer_field_is_refused_unless_neutral_and_a_bool_is_not_a_number():
 
 
 def test_fields_of_one_endpoint_only_and_nested_fields():
-    # `response_format` is declared on chat; on completions it is vLLM's, neutral only as text.
-    done = CompletionRequest.model_validate({"model": "m", "prompt": "x", "response_format": {"type": "text"}})
+    # `add_special_tokens` is vLLM's on both, neutral at False in chat and True in completions.
+    done = CompletionRequest.model_validate({"model": "m", "prompt": "x", "add_special_tokens": True})
     assert unknown_fields(done, chat=False) == []
     with pytest.raises(APIError):
         unknown_fields(

@@ -44,24 +44,14 @@ _BOTH: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (),
     "vllm_xargs": (),
     "request_id": (),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     # SGLang
-    "regex": (),
-    "ebnf": (),
-    "json_schema": (),
     "no_stop_trim": (False,),
     "lora_path": (),
     "rid": (),
     "return_hidden_states": (False,),
     # llama.cpp
-    "grammar": (),
     "n_probs": (0,),
     "mirostat": (0,),
     "typical_p": (1, 1.0),
@@ -94,7 +84,6 @@ _CHAT: dict[str, tuple[Any, ...]] = {
 }
 _COMPLETION: dict[str, tuple[Any, ...]] = {
     # vLLM completions
-    "response_format": ({"type": "text"},),
     "add_special_tokens": (True,),
 }
 # OpenAI fields that cannot change what is generated: accepted with no effect.

@@ -56,6 +56,7 @@ def _unicode(value: Any) -> Any:
 
 
 Text = Annotated[StrictStr, AfterValidator(_unicode)]
+JSONObject = Annotated[dict[str, Any], AfterValidator(_unicode)]
 
 
 class _Open(BaseModel):
@@ -100,6 +101,18 @@ class _Sampling(_Open):
         Annotated[dict[Text, Annotated[Number, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)] | None
     ) = None
     user: Text | None = None
+    # Structured outputs (structured.py): OpenAI's, vLLM's, SGLang's and llama.cpp's forms.
+    response_format: JSONObject | None = None
+    structured_outputs: JSONObject | None = None
+    guided_json: JSONObject | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None  # (one backend here, llguidance: any name is served by it)
+    regex: Text | None = None
+    ebnf: Text | None = None
+    grammar: Text | None = None
+    json_schema: JSONObject | Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -178,13 +191,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Any], AfterValidator(_unicode)] | None = None
-    response_format: Annotated[dict[str, Any], AfterValidator(_unicode)] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format", "only the text response format is supported"
         return super().unsupported()
 
     @property

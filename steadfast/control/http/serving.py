@@ -22,6 +22,7 @@ from steadfast.control.http.logprobs import TokenNames
 from steadfast.control.http.metrics import Metrics
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.resume_token import ResumeSigner, body_digest
+from steadfast.control.http.structured import Grammars
 from steadfast.control.ladder.degrade import Degradation
 from steadfast.control.ladder.plan import Notice, Plan, Refusal
 from steadfast.model.tokenizer import GGUFTokenizer
@@ -61,6 +62,10 @@ class ServingContext:
     @functools.cached_property
     def names(self) -> TokenNames:
         return TokenNames(self.tokenizer)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        return Grammars(self.tokenizer)
 
     @functools.cached_property
     def message_tokens(self) -> int:
@@ -120,7 +125,8 @@ async def admit(
     prepared. The ladder counts it as queued from here until its first token or its end. A client
     resuming its stream (`resuming`: Last-Event-ID) continues a request accepted before: never refused."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
-    prepared = prepare(ctx, body, prompt_ids, max_tokens, rid)  # bad input is a 400 before any ladder decision
+    grammar = await ctx.grammars.of(body, ctx.off_loop)
+    prepared = prepare(ctx, body, prompt_ids, max_tokens, rid, grammar)  # bad input: a 400 before the ladder
     ladder = ctx.degradation
     if ladder is not None and not resuming:
         plan = ladder.plan(rid, Priority[body.priority.upper()], prompt_ids, prepared.add.params.max_tokens)
@@ -156,7 +162,7 @@ async def shorten(
     if plan.max_tokens_cap and (max_tokens is None or max_tokens > plan.max_tokens_cap):
         max_tokens = notice.max_tokens = plan.max_tokens_cap
     if notice.truncated_tokens or notice.max_tokens:
-        prepared = prepare(ctx, body, prompt_ids, max_tokens, prepared.request_id)
+        prepared = prepare(ctx, body, prompt_ids, max_tokens, prepared.request_id, prepared.add.params.grammar)
     prepared.notice = notice
     return prepared
 
@@ -167,6 +173,7 @@ def prepare(
     prompt_ids: list[int],
     max_tokens: int | None,
     rid: str,
+    grammar: str = "",
 ) -> Prepared:
     limit = ctx.max_model_len
     if len(prompt_ids) >= limit:
@@ -229,6 +236,7 @@ def prepare(
         min_tokens=min(body.min_tokens or 0, max_tokens),  # (the ladder's L4 cap may be under it)
         logit_bias=bias,
         logprobs=body.logprob_count,
+        grammar=grammar,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])

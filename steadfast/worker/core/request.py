@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import Any
 
 from steadfast.wire.worker import FinishReason, Route, SamplingParams
 
@@ -37,6 +38,7 @@ class Request:
         self.decode_worker = -1  # a prefill worker hands its KV to this worker after the first token
         self.kv_paths: list[str] = []  # ...on another node, streamed to these addresses
         self.kv_given: list[tuple[int, int]] = []  # (start, count) spans given to the KV sender
+        self.matcher: Any = None  # its grammar's state (an llguidance matcher; grammar.py) where it has one
 
     @property
     def all_ids(self) -> list[int]:

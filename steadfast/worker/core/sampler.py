@@ -1,4 +1,4 @@
-"""Token sampling: logits adjusted (min_tokens, logit_bias, penalties), then greedy or temperature,
+"""Token sampling: logits adjusted (min_tokens, logit_bias, penalties, a grammar's mask), then greedy or temperature,
 top-k, top-p, min-p.
 
 Token i of a request is drawn with noise from a generator seeded by (request seed, i), never from a
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from steadfast.wire.worker import SamplingParams, TokenLogprob
+from steadfast.worker.core.grammar import StepMasks
 from steadfast.worker.core.request import Request
 
 _MASK64 = (1 << 64) - 1
@@ -121,11 +122,16 @@ def logprobs_of(
 
 
 def sample_rows(
-    logits: torch.Tensor, rows: Sequence[Request], drafts: Mapping[str, Sequence[int]], eos: Sequence[int]
+    logits: torch.Tensor,
+    rows: Sequence[Request],
+    drafts: Mapping[str, Sequence[int]],
+    eos: Sequence[int],
+    masks: StepMasks | None = None,
 ) -> Sampled:
     """One token per row of a step. A request verifying drafts has one row per position: row k draws its
     output token len(output) + k, as if drafts[:k] were its output (a draft is kept only where it equals
-    the token drawn there, so that is the output the token follows)."""
+    the token drawn there, so that is the output the token follows). `masks`: the tokens each
+    constrained request's grammar allows, applied after the other adjustments."""
     indices: list[int] = []
     outputs: list[Sequence[int]] = []
     seen: dict[str, int] = {}
@@ -134,7 +140,10 @@ def sample_rows(
         indices.append(len(r.output_ids) + k)
         outputs.append([*r.output_ids, *drafts[r.request_id][:k]] if k and r.params.adjusts else r.output_ids)
     params = [r.params for r in rows]
-    tokens = sample(adjust(logits, params, [r.prompt_ids for r in rows], outputs, eos), params, indices)
+    adjusted = adjust(logits, params, [r.prompt_ids for r in rows], outputs, eos)
+    if masks is not None:
+        adjusted = masks.apply(adjusted, rows)
+    tokens = sample(adjusted, params, indices)
     return Sampled(list(rows), tokens, logprobs_of(logits, params, tokens))
 
 

@@ -129,8 +129,15 @@ class Speculator:
 
     def drafts_for(self, request: Request, budget: int, max_model_len: int) -> list[int]:
         """Draft tokens for a decoding request to verify this step; none for one whose client asked for
-        plain decoding, or whose first token is a prompt's (a prefill worker hands it on right after)."""
-        if not request.params.speculative or not request.output_ids or request.decode_worker >= 0 or request.kv_paths:
+        plain decoding, one under a grammar, or whose first token is a prompt's (a prefill worker hands
+        it on right after)."""
+        if (
+            not request.params.speculative
+            or not request.output_ids
+            or request.decode_worker >= 0
+            or request.kv_paths
+            or request.matcher is not None  # (one grammar mask per step: grammar.py)
+        ):
             return []
         room = min(
             budget - 1,

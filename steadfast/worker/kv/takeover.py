@@ -9,13 +9,26 @@ import logging
 
 from steadfast.kv.ledger.interface import LedgerError
 from steadfast.util.log import about
-from steadfast.wire.worker import Route
+from steadfast.wire.worker import RequestOutput, Route
 from steadfast.worker.core.block_manager import BlockManager
 from steadfast.worker.core.request import Request
 from steadfast.worker.kv.ledger_sync import LedgerSync
 from steadfast.worker.kv.offload import Offloader
 
 log = logging.getLogger("steadfast.worker.engine")
+
+
+def report_recovery(request: Request, out: RequestOutput, step_start: float) -> None:
+    """The first output after a takeover or a move says its route and what it cost."""
+    assert request.recovery is not None
+    out.route, out.adopted_tokens = request.recovery
+    # Handed-over KV is not in the prefix-cache count (that is the prefill worker's).
+    moved = out.route in (Route.HANDOFF, Route.TRANSFER, Route.MIGRATED)
+    have = out.adopted_tokens if moved else request.num_cached
+    out.recomputed_tokens = request.resume_tokens - have
+    if out.route is Route.MIGRATED:
+        out.resumed_at = step_start
+    request.recovery = None
 
 
 def recover(
