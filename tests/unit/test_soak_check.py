@@ -65,8 +65,11 @@ def test_logprobs_are_checked_where_asked_within_the_tolerance():
     assert (
         {a.kind for a in asks if a.logprobs}
         == {a.kind for a in asks if a.adjusted}
+        == {a.kind for a in asks if a.structured}
         == {"greedy", "seeded", "long", "chat"}
     )
+    structured = next(a for a in asks if a.structured).body("m")
+    assert structured["response_format"]["json_schema"]["schema"]["required"] == ["topic", "facts", "year"]
 
 
 def test_a_gap_is_the_fault_s_that_struck_before_it():

@@ -58,6 +58,7 @@ class Ask:
     priority: str
     adjusted: bool = False  # with ADJUSTED's penalties: state the new owner rebuilds after a fault
     logprobs: bool = False  # with LOGPROBS: each token's logprob checked too
+    structured: bool = False  # with STRUCTURED's JSON schema: the grammar's state the new owner rebuilds
 
     def body(self, model: str) -> dict[str, Any]:
         b: dict[str, Any] = {
@@ -73,6 +74,7 @@ class Ask:
             | ({"seed": self.seed} if self.seed is not None else {})
             | (ADJUSTED if self.adjusted else {})
             | (LOGPROBS if self.logprobs else {})
+            | (STRUCTURED if self.structured else {})
         )
 
 
@@ -80,6 +82,19 @@ class Ask:
 ADJUSTED = {"presence_penalty": 0.3, "frequency_penalty": 0.4, "repetition_penalty": 1.1}
 # Logprobs every fifth request asks for (keys 2, 7, 12, 17, 22).
 LOGPROBS = {"logprobs": True, "top_logprobs": 2}
+# A JSON schema every fifth request's output follows (keys 0, 5, 10, 15, 20). With `ignore_eos` (as every
+# soak request) a finished object is followed by EOS tokens up to max_tokens: all compared token by token.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "maxLength": 40},
+        "facts": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 2, "maxItems": 5},
+        "year": {"type": "integer"},
+    },
+    "required": ["topic", "facts", "year"],
+    "additionalProperties": False,
+}
+STRUCTURED = {"response_format": {"type": "json_schema", "json_schema": {"name": "facts", "schema": SCHEMA}}}
 
 
 def catalogue(seed: int, size: int = 24, long_words: int = 400) -> list[Ask]:
@@ -105,7 +120,8 @@ def catalogue(seed: int, size: int = 24, long_words: int = 400) -> list[Ask]:
             )
         seeded = kind == "seeded" or (kind == "chat" and key % 8 == 3)
         temperature, ask_seed = (0.8, 1000 + key) if seeded else (0.0, None)
-        asks.append(Ask(key, kind, messages, tokens, temperature, ask_seed, priority, key % 5 == 4, key % 5 == 2))
+        extras = (key % 5 == 4, key % 5 == 2, key % 5 == 0)  # adjusted, logprobs, structured
+        asks.append(Ask(key, kind, messages, tokens, temperature, ask_seed, priority, *extras))
     return asks
 
 

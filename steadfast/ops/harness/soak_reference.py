@@ -9,7 +9,8 @@ import uuid
 from dataclasses import dataclass
 
 from steadfast.config import Config
-from steadfast.ops.harness.soak import ADJUSTED, LOGPROBS, Ask
+from steadfast.model.grammar import from_json_schema
+from steadfast.ops.harness.soak import ADJUSTED, LOGPROBS, SCHEMA, Ask
 from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine
 from steadfast.worker.loaded import LoadedModel, load_model, private_arena
@@ -36,7 +37,13 @@ def reference(cfg: Config, asks: list[Ask], loaded: LoadedModel | None = None) -
             adjusted = ADJUSTED if a.adjusted else {}
             logprobs = LOGPROBS["top_logprobs"] if a.logprobs else -1
             params = SamplingParams(
-                a.max_tokens, a.temperature, seed=a.seed or 0, ignore_eos=True, logprobs=logprobs, **adjusted
+                a.max_tokens,
+                a.temperature,
+                seed=a.seed or 0,
+                ignore_eos=True,
+                logprobs=logprobs,
+                grammar=from_json_schema(SCHEMA) if a.structured else "",  # (as the router makes it)
+                **adjusted,
             )
             reqs.append(AddRequest(f"ask{a.key}", ids, params))
         out = engine.generate(reqs)

@@ -9,6 +9,7 @@ and one mask per request and step keeps the matcher's state a function of its ou
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -16,10 +17,11 @@ import llguidance
 import llguidance.torch
 import torch
 
-from steadfast.model.grammar import GrammarError, Matchers, ll_tokenizer
+from steadfast.model.grammar import Matchers, ll_tokenizer
 from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.worker.core.request import Request
 
+log = logging.getLogger(__name__)
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -91,9 +93,15 @@ class Constraints:
 
     @staticmethod
     def advance(request: Request, token: int) -> None:
-        """The grammar takes the token the request produced (one its mask allowed)."""
-        if request.matcher is not None and not request.matcher.consume_token(token):
-            raise GrammarError(f"token {token} does not fit the grammar: {request.matcher.get_error()}")
+        """The grammar takes the token the request produced (one its mask allowed). Once the grammar is
+        complete its mask allows EOS alone: with `ignore_eos` those EOS tokens are not given to it."""
+        matcher = request.matcher
+        if matcher is None or matcher.is_stopped():
+            return
+        if not matcher.consume_token(token):  # (never raised: one request's grammar must not stop the loop)
+            log.error(
+                "request %s: token %d does not fit its grammar: %s", request.request_id, token, matcher.get_error()
+            )
 
     def close(self) -> None:
         if self._pool is not None:
