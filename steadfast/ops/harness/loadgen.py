@@ -86,6 +86,7 @@ class Workload:
     # A request refused for load (429 or 503 with Retry-After: Steadfast's admission control) is sent again
     # after that delay, as a patient client would, up to REFUSALS times; its TTFT counts from the first send.
     retry_refused: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # fields every request body carries (response_format...)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.requests < 1 or self.turns < 1 or not self.rate > 0 or self.seconds < 0:
@@ -199,6 +200,7 @@ class LoadGenerator:
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            body |= w.extra
             if w.ignore_eos:
                 body["ignore_eos"] = True
             if priority:
