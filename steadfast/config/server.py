@@ -45,6 +45,7 @@ class ServerConfig:
     # Limits on what one client may send, so nobody can starve the others.
     max_body_bytes: int = 4 * 2**20  # request body; 413 beyond
     max_messages: int = 1024  # chat messages per request
+    max_n: int = 8  # choices per request (`n`): each is a request of its own to the workers
     max_prompt_chars: int = 1_000_000  # characters of prompt (all messages' text) and stop strings per request
     # Requests admitted and not finished, over all workers; beyond, new ones get 429 + Retry-After.
     max_pending_requests: int = 1024
@@ -70,7 +71,14 @@ class ServerConfig:
         return self.workers + self.prefill_workers + self.decode_workers
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_messages", "max_prompt_chars", "max_pending_requests", "max_connections"):
+        for name in (
+            "max_body_bytes",
+            "max_messages",
+            "max_n",
+            "max_prompt_chars",
+            "max_pending_requests",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"server.{name} must be >= 1")
         if self.request_timeout <= 0:

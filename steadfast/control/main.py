@@ -102,7 +102,7 @@ async def serve(
         block_size=cfg.cache.block_size,
         metrics=metrics,
         signer=ResumeSigner(env.resume_key()),
-        limits=Limits(srv.max_messages, srv.max_prompt_chars, srv.max_pending_requests),
+        limits=Limits(srv.max_messages, srv.max_prompt_chars, srv.max_pending_requests, srv.max_n),
         degradation=degradation,
         keepalive_s=srv.sse_keepalive,
     )

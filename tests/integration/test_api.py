@@ -188,7 +188,7 @@ BAD = [
     ),
     ("top_p zero", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_p above one", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("n above one", "/v1/completions", {"model": "MODEL", "prompt": "x", "n": 2}, 400, "n"),
+    ("n above the cap", "/v1/completions", {"model": "MODEL", "prompt": "x", "n": 9}, 400, "n"),
     ("bad priority", "/v1/completions", {"model": "MODEL", "prompt": "x", "priority": "urgent"}, 400, "priority"),
     ("too many stops", "/v1/completions", {"model": "MODEL", "prompt": "x", "stop": list("abcde")}, 400, "stop"),
     (

@@ -305,9 +305,9 @@ def create_app(
 
         prepared = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut, resuming(body, http))
 
-        def choice(text: str, entries: list[Entry] | None) -> dict[str, Any]:
+        def choice(index: int, text: str, entries: list[Entry] | None) -> dict[str, Any]:
             lp = None if entries is None else completion_logprobs(ctx.names, entries, 0)
-            return {"index": 0, "text": text, "logprobs": lp}
+            return {"index": index, "text": text, "logprobs": lp}
 
         return await respond(ctx, prepared, body, http, stream_completion, "text_completion", choice, ignored)
 
@@ -340,9 +340,9 @@ def create_app(
 
         prepared = await admit(ctx, body, ids, body.token_limit, "chatcmpl", cut, resuming(body, http))
 
-        def choice(text: str, entries: list[Entry] | None) -> dict[str, Any]:
+        def choice(index: int, text: str, entries: list[Entry] | None) -> dict[str, Any]:
             lp = None if entries is None else chat_logprobs(ctx.names, entries)
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp}
 
         return await respond(ctx, prepared, body, http, stream_chat, "chat.completion", choice, ignored)
 

@@ -126,8 +126,6 @@ class _Sampling(_Open):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for the first feature asked for that is not implemented."""
-        if self.n != 1:
-            return "n", "only n=1 is supported"
         return None
 
     def bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -160,8 +158,8 @@ class CompletionRequest(_Sampling):
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
             return "echo", "echo is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of is not supported"
+        if self.best_of not in (None, 1, self.n):
+            return "best_of", "best_of other than n (every choice returned) is not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()

@@ -38,6 +38,7 @@ class Limits:
     max_messages: int = 1024
     max_prompt_chars: int = 1_000_000
     max_pending_requests: int = 1024
+    max_n: int = 8  # choices per request
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Prepared:
     have_chars: int = 0
     notice: Notice | None = None  # shortened by the degradation ladder: what the client is told
     resuming: Known | None = None  # a reconnect: what the router knew of the request when it asked
+    choice: int = 0  # which of the request's `n` choices (choices.py)
 
 
 # Shortens a prompt to a token cap: its ids and how many chat messages were dropped (truncate.py).
@@ -129,7 +131,8 @@ async def admit(
     prepared = prepare(ctx, body, prompt_ids, max_tokens, rid, grammar)  # bad input: a 400 before the ladder
     ladder = ctx.degradation
     if ladder is not None and not resuming:
-        plan = ladder.plan(rid, Priority[body.priority.upper()], prompt_ids, prepared.add.params.max_tokens)
+        tokens = prepared.add.params.max_tokens * body.n  # (every choice decodes its own)
+        plan = ladder.plan(rid, Priority[body.priority.upper()], prompt_ids, tokens)
         if isinstance(plan, Refusal):
             raise refusal_error(plan)
         if plan.level:
@@ -259,6 +262,8 @@ def check_model(ctx: ServingContext, body: CompletionRequest | ChatCompletionReq
     """A 404 for another model, a 400 for a field asking for what is not served; the fields nobody
     documents (ignored, reported in the response)."""
     check_model_name(ctx, body.model)
+    if body.n > ctx.limits.max_n:
+        raise APIError(f"'n' is {body.n}; this server allows at most {ctx.limits.max_n} choices.", param="n")
     bad = body.unsupported()
     if bad:
         raise APIError(f"Unsupported parameter '{bad[0]}': {bad[1]}.", param=bad[0], code="unsupported_parameter")

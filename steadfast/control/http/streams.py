@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -17,12 +18,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from steadfast.control.fleet.client import EngineDeadError
 from steadfast.control.fleet.resume import Resumption, UnknownRequestError
+from steadfast.control.http.choices import choice_id, fan_out, merged
 from steadfast.control.http.errors import APIError
 from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
-from steadfast.control.http.resume_token import body_digest, parse_event_id
+from steadfast.control.http.resume_token import Held, ResumeSigner, body_digest, parse_event_id
 from steadfast.control.http.serving import Generation, Prepared, ServingContext, error_output
-from steadfast.wire.worker import FinishReason
+from steadfast.wire.worker import FinishReason, RequestOutput
 
 _json = msgspec.json.Encoder()
 KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see bytes flow
@@ -52,30 +54,68 @@ async def until_disconnected(request: Request) -> None:
             return
 
 
-async def collect(gen: Generation, http: Request) -> tuple[str, list[int], list[Entry]] | None:
-    """All of a non-streamed request's text, its token ids and their logprobs (where asked), or None if
-    the client left first (request aborted)."""
+@dataclass
+class Choices:
+    """What one response serves: the generation of each choice still running and, on a resume, what the
+    client already holds of the choices that ended; `request_id` the request's (its choice 0's)."""
 
-    async def run() -> tuple[str, list[int], list[Entry]]:
-        texts: list[str] = []
-        ids: list[int] = []
-        entries: list[Entry] = []
-        async for out in gen.outputs():
-            if out is None:
+    request_id: str
+    resume_token: str
+    n: int
+    gens: list[Generation]
+    ended: dict[int, Held] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # What the client holds of each choice, counted as outputs are sent (the generations run ahead).
+        self.sent = [self.ended.get(i, Held(0, 0)) for i in range(self.n)]
+        for g in self.gens:
+            self.sent[g.p.choice] = Held(g.p.have_tokens, g.p.have_chars)
+
+    def took(self, choice: int, out: RequestOutput) -> int:
+        """Count an output of `choice` as sent; the characters the client held before it."""
+        held = self.sent[choice]
+        self.sent[choice] = Held(held.tokens + len(out.token_ids), held.chars + len(out.text), bool(out.finish_reason))
+        return held.chars
+
+    def event_id(self, signer: ResumeSigner) -> str:
+        """The resume point after the event it is sent with: what the client holds of each choice."""
+        if self.n == 1:
+            held = self.sent[0]
+            return signer.event_id(self.request_id, self.resume_token, held.tokens, held.chars)
+        return signer.choices_event_id(self.request_id, self.resume_token, self.sent)
+
+    @property
+    def completion_tokens(self) -> int:
+        done = {g.p.choice: g.completion_tokens for g in self.gens}
+        return sum(done.get(i, h.tokens) for i, h in enumerate(self.sent))
+
+
+async def collect(gens: list[Generation], http: Request) -> list[tuple[str, list[int], list[Entry]]] | None:
+    """Each choice's text, token ids and their logprobs (where asked), or None if the client left first
+    (its requests aborted)."""
+
+    async def run() -> list[tuple[str, list[int], list[Entry]]]:
+        texts: list[list[str]] = [[] for _ in gens]
+        ids: list[list[int]] = [[] for _ in gens]
+        entries: list[list[Entry]] = [[] for _ in gens]
+        async for item in merged(gens, None):
+            if item is None:
                 continue
+            i, out = item
             if out.finish_reason == FinishReason.ERROR:
                 raise error_output(out)
-            texts.append(out.text)
-            ids.extend(out.token_ids)
-            entries.extend(zip(out.token_ids, out.logprobs or (), strict=False))
-        return "".join(texts), ids, entries
+            texts[i].append(out.text)
+            ids[i].extend(out.token_ids)
+            entries[i].extend(zip(out.token_ids, out.logprobs or (), strict=False))
+        return ["".join(t) for t in texts], ids, entries  # type: ignore[return-value]
 
     work = asyncio.ensure_future(run())
     gone = asyncio.ensure_future(until_disconnected(http))
     done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     if work in done:
         gone.cancel()
-        return work.result()
+        texts, ids, entries = work.result()
+        return list(zip(texts, ids, entries, strict=True))
     work.cancel()
     try:
         await work
@@ -89,52 +129,61 @@ async def respond(
     prepared: Prepared,
     body: CompletionRequest | ChatCompletionRequest,
     http: Request,
-    streamer: Callable[[ServingContext, Generation], AsyncIterator[bytes]],
+    streamer: Callable[[ServingContext, Choices], AsyncIterator[bytes]],
     obj: str,
-    choice: Callable[[str, list[Entry] | None], dict[str, Any]],
+    choice: Callable[[int, str, list[Entry] | None], dict[str, Any]],
     ignored: Sequence[str] = (),
 ) -> Response:
-    """Run an admitted request: an SSE stream, or one JSON body once it is done. A stream request
-    carrying `Last-Event-ID` continues the request that event belongs to instead of starting anew.
-    `ignored`: its fields nobody documents, named in a response header."""
+    """Run an admitted request (each of its `n` choices): an SSE stream, or one JSON body once it is
+    done. A stream request carrying `Last-Event-ID` continues the request that event belongs to instead
+    of starting anew. `ignored`: its fields nobody documents, named in a response header."""
     stream = body.stream
     last_event = http.headers.get("last-event-id")
     if last_event and stream:
-        prepared = reconnect(ctx, prepared, last_event, body_digest(body))
-    gen = Generation(ctx, prepared)
+        served = reconnect(ctx, prepared, body.n, last_event, body_digest(body))
+    else:
+        gens = [Generation(ctx, c) for c in fan_out(prepared, body.n)]
+        served = Choices(prepared.request_id, prepared.resume_token, body.n, gens)
     headers = ctx.ignored.header(ignored)
     if prepared.notice is not None:
         headers[DEGRADATION_HEADER] = prepared.notice.header()
     if stream:
-        return StreamingResponse(streamer(ctx, gen), media_type="text/event-stream", headers=headers)
-    result = await collect(gen, http)
-    if result is None:
-        return Response(status_code=499)  # the client left; its request was aborted
-    text, ids, entries = result
-    first = {**choice(text, entries if prepared.add.params.logprobs >= 0 else None), "finish_reason": gen.finish_reason}
-    if prepared.return_token_ids:
-        first["token_ids"] = ids
-    body = {
+        return StreamingResponse(streamer(ctx, served), media_type="text/event-stream", headers=headers)
+    results = await collect(served.gens, http)
+    if results is None:
+        return Response(status_code=499)  # the client left; its requests were aborted
+    asked = prepared.add.params.logprobs >= 0
+    choices = []
+    for g, (text, ids, entries) in zip(served.gens, results, strict=True):
+        one = {**choice(g.p.choice, text, entries if asked else None), "finish_reason": g.finish_reason}
+        if prepared.return_token_ids:
+            one["token_ids"] = ids
+        choices.append(one)
+    cached = served.gens[0].cached_tokens
+    answer = {
         "id": prepared.request_id,
         "object": obj,
         "created": int(time.time()),
         "model": ctx.model_name,
-        "choices": [first],
-        "usage": usage(len(prepared.prompt_ids), gen.completion_tokens, gen.cached_tokens),
+        "choices": choices,
+        "usage": usage(len(prepared.prompt_ids), served.completion_tokens, cached),
     }
-    return JSONResponse(body, headers=headers)
+    return JSONResponse(answer, headers=headers)
 
 
-def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, digest: bytes) -> Prepared:
+def reconnect(ctx: ServingContext, prepared: Prepared, n: int, last_event: str, digest: bytes) -> Choices:
     """The request a client continues with `Last-Event-ID`: only with the resume token of that request
     and the body it was sent with, and only within the idempotency window; refused before anything
-    is sent or stopped otherwise. Nothing changes here: the stream takes the request over in its turn
-    (`EngineClient.generate`), so concurrent resumes of one request each get a definite answer."""
+    is sent or stopped otherwise. Nothing changes here: the stream takes each choice over in its turn
+    (`EngineClient.generate`), so concurrent resumes of one request each get a definite answer. Choices
+    the client saw end are not run again."""
     try:
         point = parse_event_id(last_event)
+        if len(point.choices) != n:
+            raise ValueError(last_event)
     except ValueError:
         raise APIError(
-            f"Last-Event-ID {last_event!r} is not an id this server sent.",
+            f"Last-Event-ID {last_event[:200]!r} is not an id this server sent for this request.",
             param="Last-Event-ID",
             code="invalid_last_event_id",
         ) from None
@@ -148,45 +197,56 @@ def reconnect(ctx: ServingContext, prepared: Prepared, last_event: str, digest: 
             code="invalid_resume_token",
         )
     rid = point.request_id
-    try:
-        known = ctx.client.known(rid)
-    except UnknownRequestError:
-        raise APIError(
-            f"Request {rid} is unknown here or older than the idempotency window; it cannot be resumed.",
-            404,
-            type_="not_found_error",
-            param="Last-Event-ID",
-            code="request_not_found",
-        ) from None
-    add = Resumption.request(known, point.have_tokens, point.have_chars)
-    return Prepared(
-        rid,
-        add.prompt_ids,
-        add,
-        prepared.include_usage,
-        prepared.return_token_ids,
-        point.token,
-        point.have_tokens,
-        point.have_chars,
-        resuming=known,
-    )
+    gens: list[Generation] = []
+    ended: dict[int, Held] = {}
+    for i, held in enumerate(point.choices):
+        if held.finished:
+            ended[i] = held
+            continue
+        try:
+            known = ctx.client.known(choice_id(rid, i))
+        except UnknownRequestError:
+            raise APIError(
+                f"Request {rid} is unknown here or older than the idempotency window; it cannot be resumed.",
+                404,
+                type_="not_found_error",
+                param="Last-Event-ID",
+                code="request_not_found",
+            ) from None
+        add = Resumption.request(known, held.tokens, held.chars)
+        resumed = Prepared(
+            add.request_id,
+            add.prompt_ids,
+            add,
+            prepared.include_usage,
+            prepared.return_token_ids,
+            point.token,
+            held.tokens,
+            held.chars,
+            resuming=known,
+            choice=i,
+        )
+        gens.append(Generation(ctx, resumed))
+    return Choices(rid, point.token, n, gens, ended)
 
 
 async def stream(
-    ctx: ServingContext, gen: Generation, obj: str, make_choice: Any, first: dict | None
+    ctx: ServingContext, served: Choices, obj: str, make_choice: Any, first: dict | None
 ) -> AsyncIterator[bytes]:
-    p = gen.p
+    """The SSE events of a response's choices as they come, interleaved, each chunk one choice's."""
+    gens = served.gens
     created = int(time.time())
-
+    base = gens[0].p if gens else None
+    resumed = any(g.p.have_tokens or g.p.resuming is not None for g in gens) or bool(served.ended)
     # A request the ladder shortened says so in its first chunk (a resumed stream had it already).
-    notice = {"degradation": p.notice.as_dict()} if p.notice is not None and not p.have_tokens else {}
+    notice = {"degradation": base.notice.as_dict()} if base and base.notice is not None and not resumed else {}
 
     def chunk(choices: list[dict[str, Any]], event_id: str = "", **extra: Any) -> bytes:
         nonlocal notice
         extra, notice = {**notice, **extra}, {}
         return sse(
             {
-                "id": p.request_id,
+                "id": served.request_id,
                 "object": obj,
                 "created": created,
                 "model": ctx.model_name,
@@ -196,29 +256,34 @@ async def stream(
             event_id,
         )
 
-    outputs = gen.outputs(ctx.keepalive_s)
-    asked = p.add.params.logprobs >= 0
-    pending: list[Entry] = []  # logprobs of tokens whose text is not sent yet
+    outputs = merged(gens, ctx.keepalive_s, shared_prefill=not resumed)
+    pending: dict[int, list[Entry]] = {i: [] for i in range(len(gens))}  # logprobs of tokens whose text waits
     try:
-        if first is not None and not p.have_tokens:
-            yield chunk([{"index": 0, **first, "logprobs": None, "finish_reason": None}])
-        async for out in outputs:
-            if out is None:  # nothing for keepalive_s
+        if first is not None and not resumed:
+            for g in gens:
+                yield chunk([{"index": g.p.choice, **first, "logprobs": None, "finish_reason": None}])
+        async for item in outputs:
+            if item is None:  # nothing for keepalive_s
                 yield KEEP_ALIVE
                 continue
+            i, out = item
+            gen = gens[i]
             if out.finish_reason == FinishReason.ERROR:
                 yield sse(error_output(out).body())
                 break
-            pending.extend(zip(out.token_ids, out.logprobs or (), strict=False))
-            if out.text or out.finish_reason or (p.return_token_ids and out.token_ids):
-                choice = make_choice(out.text, out.finish_reason, pending if asked else None)
-                pending = []
-                if p.return_token_ids:
+            offset = served.took(gen.p.choice, out)
+            pending[i].extend(zip(out.token_ids, out.logprobs or (), strict=False))
+            if out.text or out.finish_reason or (gen.p.return_token_ids and out.token_ids):
+                asked = gen.p.add.params.logprobs >= 0
+                choice = make_choice(gen, out.text, offset, out.finish_reason, pending[i] if asked else None)
+                pending[i] = []
+                if gen.p.return_token_ids:
                     choice["token_ids"] = out.token_ids
                 # The event id says what the client holds after it (tokens, characters): a resume point.
-                yield chunk([choice], resume_at(ctx, gen))
-        if p.include_usage:
-            yield chunk([], usage=usage(len(p.prompt_ids), gen.completion_tokens, gen.cached_tokens))
+                yield chunk([choice], served.event_id(ctx.signer))
+        if base is not None and base.include_usage:
+            cached = gens[0].cached_tokens
+            yield chunk([], usage=usage(len(base.prompt_ids), served.completion_tokens, cached))
         yield sse("[DONE]")
     except EngineDeadError as exc:
         yield sse(APIError(str(exc), 503, type_="service_unavailable").body())
@@ -226,23 +291,20 @@ async def stream(
         await outputs.aclose()
 
 
-def resume_at(ctx: ServingContext, gen: Generation) -> str:
-    p = gen.p
-    return ctx.signer.event_id(p.request_id, p.resume_token, gen.completion_tokens, gen.text_chars)
-
-
-def stream_completion(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:
-    def choice(text: str, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
-        offset = gen.text_chars - len(text)
+def stream_completion(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
+    def choice(
+        gen: Generation, text: str, offset: int, reason: str | None, entries: list[Entry] | None
+    ) -> dict[str, Any]:
         lp = None if entries is None else completion_logprobs(ctx.names, entries, offset)
-        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+        return {"index": gen.p.choice, "text": text, "logprobs": lp, "finish_reason": reason}
 
-    return stream(ctx, gen, "text_completion", choice, None)
+    return stream(ctx, served, "text_completion", choice, None)
 
 
-def stream_chat(ctx: ServingContext, gen: Generation) -> AsyncIterator[bytes]:
-    def choice(text: str, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
+def stream_chat(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
+    def choice(gen: Generation, text: str, _: int, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
         lp = None if entries is None else chat_logprobs(ctx.names, entries)
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
+        delta = {"content": text} if text else {}
+        return {"index": gen.p.choice, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
-    return stream(ctx, gen, "chat.completion.chunk", choice, {"delta": {"role": "assistant", "content": ""}})
+    return stream(ctx, served, "chat.completion.chunk", choice, {"delta": {"role": "assistant", "content": ""}})

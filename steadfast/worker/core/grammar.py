@@ -46,7 +46,9 @@ class StepMasks:
             return logits
         device = logits.device
         mine = [m for _, m in at]
-        whole = len(at) == logits.shape[0] and mine == list(range(len(at))) and all(r == m for r, m in at)
+        # Every row of the step constrained, in mask order, and every mask's request sampling (a prefill
+        # chunk short of its prompt's end has a mask and no row): the masks apply as they are.
+        whole = len(at) == logits.shape[0] == self.keep.shape[0] and all(r == m for r, m in at)
         keep, barred = (self.keep, self.barred) if whole else (self.keep[mine], self.barred[mine])
         keep, barred = keep.to(device, non_blocking=True), barred.to(device, non_blocking=True)
         if keep.shape[1] != logits.shape[1]:  # a model whose output rows outnumber the vocabulary's

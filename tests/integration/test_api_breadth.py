@@ -1,7 +1,10 @@
-"""Structured outputs through the API (issue 50 §3, §8) with the official `openai` client: every schema of
-a public corpus (the JSON Schema Test Suite, vendored in tests/data) that has a valid instance, its
-output validated with `jsonschema`; the other forms clients send (json_object, vLLM's, SGLang's,
-llama.cpp's), streamed and not; and a 400 naming the field for each bad one."""
+"""The API's breadth (issue 50) with the official `openai` client, on one shared server.
+
+Structured outputs (§3, §8): every schema of a public corpus (the JSON Schema Test Suite, vendored in
+tests/data) that has a valid instance, its output validated with `jsonschema`; the other forms clients
+send (json_object, vLLM's, SGLang's, llama.cpp's), streamed and not; a 400 naming the field for each bad
+one. `n` choices (§2): each equal to the request alone with its seed, streamed interleaved, resumed with
+`Last-Event-ID`, bounded."""
 
 from __future__ import annotations
 
@@ -205,3 +208,98 @@ def test_a_bad_structured_output_is_a_400_naming_the_field(server, model, extra,
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def chat(client, model, **kw):
+    base = {"model": model, "messages": ask("a city by the sea"), "max_tokens": 24, "temperature": 0.9}
+    return client.chat.completions.create(**(base | kw))
+
+
+def test_n_choices_each_equal_the_request_alone_with_its_seed(client, model):
+    many = chat(client, model, n=4, seed=11)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    texts = [c.message.content for c in many.choices]
+    assert len(set(texts)) > 1  # sampled: the choices differ
+    for i, text in enumerate(texts):
+        assert chat(client, model, seed=11 + i).choices[0].message.content == text, i
+    alone = [chat(client, model, seed=11 + i).usage.completion_tokens for i in range(4)]
+    assert (
+        many.usage.completion_tokens == sum(alone)
+        and many.usage.prompt_tokens == chat(client, model).usage.prompt_tokens
+    )
+    # Completions, best_of = n: every choice returned.
+    done = client.completions.create(
+        model=model, prompt="The sea", max_tokens=8, n=2, best_of=2, seed=3, temperature=1.0
+    )
+    assert [c.index for c in done.choices] == [0, 1]
+
+
+def streamed(server, model: str, body: dict, drop_after: int = 0) -> tuple[dict[int, list[int]], dict[int, str], int]:
+    """A chat stream of several choices, reassembled per choice (token ids and finish reasons); with
+    `drop_after`, the client drops the connection after that many chunks and resumes with Last-Event-ID.
+    Returns also how many connections it took."""
+    body = {"model": model, "stream": True, "return_token_ids": True, **body}
+    tokens: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
+    last, connections, seen = None, 0, 0
+    while True:
+        connections += 1
+        headers = {"Last-Event-ID": last} if last else {}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            dropped = False
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    last = line[4:]
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    for c in chunk["choices"]:
+                        tokens.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+                        if c.get("finish_reason"):
+                            finish[c["index"]] = c["finish_reason"]
+                    if last and chunk["choices"]:
+                        # The resume point names what the client holds of each choice: exactly what it got.
+                        held = [int(t.rstrip("+")) for t in last.rsplit(":", 2)[1].split(",")]
+                        assert held == [len(tokens.get(i, [])) for i in range(len(held))], (held, last)
+                    seen += 1
+                    if drop_after and seen == drop_after:
+                        dropped = True
+                        break
+            if not dropped:
+                return tokens, finish, connections
+
+
+def test_n_choices_stream_interleaved_and_resume_from_last_event_id(server, client, model):
+    body = {
+        "messages": ask("a lighthouse"),
+        "max_tokens": 30,
+        "temperature": 0.8,
+        "seed": 5,
+        "n": 3,
+        "ignore_eos": True,
+    }
+    whole, finish, _ = streamed(server, model, body)
+    assert sorted(whole) == [0, 1, 2] and all(len(t) == 30 for t in whole.values())
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    plain = chat(
+        client,
+        model,
+        **{k: v for k, v in body.items() if k != "ignore_eos"},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert {c.index: c.model_extra["token_ids"] for c in plain.choices} == whole  # streamed = not streamed
+    for drop_after in (5, 40, 70):  # before, while and after some choices ended
+        got, finish, connections = streamed(server, model, body, drop_after)
+        assert connections == 2 and got == whole and len(finish) == 3, drop_after
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [({"n": 9}, "n"), ({"n": 0}, "n"), ({"n": 2, "best_of": 3}, "best_of")],
+)
+def test_n_is_bounded(server, model, extra, param):
+    path = "/v1/completions" if "best_of" in extra else "/v1/chat/completions"
+    body = {"model": model, "max_tokens": 2} | ({"prompt": "x"} if "best_of" in extra else {"messages": ask("x")})
+    r = httpx.post(server.url + path, json=body | extra, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
