@@ -1,5 +1,5 @@
-"""The state a request's sampling carries — a JSON schema's grammar, logprobs, penalties — through the three
-ways a request changes hands (issue 50 §6): its worker `kill -9`ed (a standby takes over from the ledger),
+"""The state a request's sampling carries — a JSON schema's grammar, logprobs, penalties, `n` choices — through
+the three ways a request changes hands (issue 50 §6): its worker `kill -9`ed (a standby takes over from the ledger),
 a live migration to the other worker, and the router killed (the client reconnects with `Last-Event-ID`).
 Each stream has tokens before and after the fault and must end as the fault-free run: the same tokens,
 each once, the same logprobs (fp32: within 1e-4), JSON valid against its schema; and each fault is
@@ -65,6 +65,7 @@ SPECS = [  # (what, extra body fields, SamplingParams fields for the reference)
         {"logprobs": True, "top_logprobs": 3, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "ignore_eos": True},
         {"logprobs": 3, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "ignore_eos": True},
     ),
+    ("n=3 sampled", {"n": 3, "temperature": 0.8, "seed": 50, "ignore_eos": True}, {"ignore_eos": True}),
 ]
 MAX_TOKENS = 128
 PROMPT = "List today's temperature readings for Oslo as JSON."
@@ -82,7 +83,8 @@ def body(model: str, extra: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def want(small_config, small_model) -> list[tuple[list[int], list[float]]]:
+def want(small_config, small_model) -> list[list[tuple[list[int], list[float]]]]:
+    """Per spec, per choice: the fault-free tokens and logprobs (choice i: the request with seed + i)."""
     from steadfast.worker.engine import Engine
     from steadfast.worker.loaded import private_arena
 
@@ -93,30 +95,47 @@ def want(small_config, small_model) -> list[tuple[list[int], list[float]]]:
         reqs = []
         for i, (_, extra, params) in enumerate(SPECS):
             temperature, seed = extra.get("temperature", 0.0), extra.get("seed", 0)
-            reqs.append(AddRequest(f"r{i}", ids, SamplingParams(MAX_TOKENS, temperature, seed=seed, **params)))
+            for k in range(extra.get("n", 1)):
+                sampling = SamplingParams(MAX_TOKENS, temperature, seed=seed + k, **params)
+                reqs.append(AddRequest(f"r{i}-{k}", ids, sampling))
         out = engine.generate(reqs)
     finally:
         engine.arena.unlink()
     return [
-        ([t for o in out[f"r{i}"] for t in o.token_ids], [lp.logprob for o in out[f"r{i}"] for lp in o.logprobs or ()])
-        for i in range(len(SPECS))
+        [
+            (
+                [t for o in out[f"r{i}-{k}"] for t in o.token_ids],
+                [lp.logprob for o in out[f"r{i}-{k}"] for lp in o.logprobs or ()],
+            )
+            for k in range(extra.get("n", 1))
+        ]
+        for i, (_, extra, _) in enumerate(SPECS)
     ]
 
 
 class Client(threading.Thread):
-    """One streamed chat that reconnects with Last-Event-ID whenever its stream breaks."""
+    """One streamed chat (of `n` choices) that reconnects with Last-Event-ID whenever its stream breaks."""
 
     def __init__(self, url: str, body: dict) -> None:
         super().__init__(daemon=True)
         self.url, self.body = url, body
+        n = body.get("n", 1)
         self.request_id = ""
-        self.tokens: list[int] = []
+        self.by_choice: list[list[int]] = [[] for _ in range(n)]
         self.text = ""
         self.logprobs: list[float] = []
-        self.counts: list[int] = []
-        self.finish: str | None = None
+        self.counts: list[list[int]] = []  # what each event id says the client holds, per choice
+        self.finishes: list[str | None] = [None] * n
         self.error: str | None = None
         self.reconnects = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.by_choice[0]
+
+    @property
+    def finish(self) -> str | None:
+        return self.finishes[0] if all(self.finishes) else None
 
     def run(self) -> None:
         last = None
@@ -143,7 +162,8 @@ class Client(threading.Thread):
                                 return
                             if pending:
                                 last = pending
-                                self.counts.append(int(pending.split(":")[1]))
+                                held = [int(t.rstrip("+")) for t in pending.rsplit(":", 2)[1].split(",")]
+                                self.counts.append(held)
                                 pending = None
             except httpx.TransportError:
                 time.sleep(0.2)
@@ -156,10 +176,11 @@ class Client(threading.Thread):
             return
         self.request_id = chunk["id"]
         for choice in chunk["choices"]:
-            self.tokens.extend(choice.get("token_ids") or [])
+            i = choice["index"]
+            self.by_choice[i].extend(choice.get("token_ids") or [])
             self.text += (choice.get("delta") or {}).get("content") or ""
             self.logprobs.extend(e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or ())
-            self.finish = choice.get("finish_reason") or self.finish
+            self.finishes[i] = choice.get("finish_reason") or self.finishes[i]
 
 
 def admin(server: ServerProcess, what: str):
@@ -167,10 +188,15 @@ def admin(server: ServerProcess, what: str):
 
 
 def check(clients: list[Client], want) -> None:
-    for (what, _, _), c, (tokens, logprobs) in zip(SPECS, clients, want, strict=True):
+    for (what, _, _), c, per_choice in zip(SPECS, clients, want, strict=True):
         assert c.error is None, (what, c.error)
-        assert c.counts == sorted(set(c.counts)) and c.counts[-1] == len(tokens), (what, c.counts)
-        assert c.tokens == tokens, f"{what}: the tokens differ from the fault-free run"
+        # Each event id: what the client holds of each choice, never less than before, ending at all of it.
+        steps = zip(c.counts, c.counts[1:], strict=False)
+        assert all(x <= y for a, b in steps for x, y in zip(a, b, strict=True)), (what, c.counts)
+        assert c.counts[-1] == [len(t) for t, _ in per_choice], (what, c.counts[-1])
+        for k, (tokens, _) in enumerate(per_choice):
+            assert c.by_choice[k] == tokens, f"{what}: choice {k}'s tokens differ from the fault-free run"
+        tokens, logprobs = per_choice[0]
         if logprobs:
             assert len(c.logprobs) == len(logprobs), what
             assert max(abs(a - b) for a, b in zip(c.logprobs, logprobs, strict=True)) <= FP32_NOISE, what
@@ -195,7 +221,7 @@ def start(server: ServerProcess) -> list[Client]:
     clients = [Client(server.url, body(model, extra)) for _, extra, _ in SPECS]
     for c in clients:
         c.start()
-    wait_until(lambda: min(len(c.tokens) for c in clients) >= AT, 120, f"every stream at {AT} tokens")
+    wait_until(lambda: min(len(t) for c in clients for t in c.by_choice) >= AT, 120, f"every stream at {AT} tokens")
     assert all(c.finish is None for c in clients), "a stream ended before the fault"
     return clients
 
@@ -210,9 +236,11 @@ def test_a_live_migration_mid_stream(server, want):
     clients = start(server)
     records = []
     for c in clients:
-        r = httpx.post(f"{server.url}/admin/requests/{c.request_id}/migrate", json={"to": None}, timeout=60)
-        assert r.status_code == 200, (r.text, admin(server, "workers"))
-        records.append(r.json())
+        for k in range(len(c.by_choice)):  # (choice k of a request is its engine request `<id>-<k>`)
+            rid = c.request_id if k == 0 else f"{c.request_id}-{k}"
+            r = httpx.post(f"{server.url}/admin/requests/{rid}/migrate", json={"to": None}, timeout=60)
+            assert r.status_code == 200, (r.text, admin(server, "workers"))
+            records.append(r.json())
     finish(clients)
     for record in records:
         assert record["outcome"] == "committed" and record["from_worker"] != record["to_worker"], record
@@ -235,7 +263,9 @@ def test_the_worker_killed_mid_stream(server, want):
     for floor in (None, 2 * AT):
         if floor is not None:
             ready_standby(server)
-            wait_until(lambda f=floor: min(len(c.tokens) for c in clients) >= f, 120, f"every stream at {floor}")
+            wait_until(
+                lambda f=floor: min(len(t) for c in clients for t in c.by_choice) >= f, 120, f"every stream at {floor}"
+            )
             assert all(c.finish is None for c in clients), "a stream ended before the second kill"
         victim = max((w for w in admin(server, "workers") if w["role"] == "mixed"), key=lambda w: w["in_flight"])
         os.kill(victim["pid"], signal.SIGKILL)
@@ -245,7 +275,8 @@ def test_the_worker_killed_mid_stream(server, want):
         )
     finish(clients)
     taken = {t["request"] for t in admin(server, "takeovers")}
-    assert {request_tag(c.request_id) for c in clients} <= taken
+    ids = [c.request_id if k == 0 else f"{c.request_id}-{k}" for c in clients for k in range(len(c.by_choice))]
+    assert {request_tag(rid) for rid in ids} <= taken
     check(clients, want)
 
 
