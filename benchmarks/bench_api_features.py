@@ -6,6 +6,10 @@ warmer or a quieter machine; the ratios of each round and their median are repor
 The schema is one no output finishes within `--max-tokens` (an array of at least 60 records), so every
 token of every request is sampled under a live grammar mask, never under the EOS-only mask of a finished one.
 
+Then `n`: one request of `n` = 4 choices on a long prompt against four concurrent requests of the same prompt
+(seeds s..s+3, what the choices are), wall time until all four are done, each pair on a prompt of its own (a
+fresh tag first: no arm finds the other's prompt in the prefix cache).
+
     python benchmarks/bench_api_features.py --concurrency 1 16 --max-tokens 128 --rounds 3
 """
 
@@ -17,6 +21,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -67,6 +72,40 @@ async def arm(url: str, model: str, extra: dict, concurrency: int, requests: int
     return summarize(samples, gen.wall_s) | {"out_tok_s": sum(s.tokens for s in samples) / gen.wall_s}
 
 
+def filler(tokens: int, tag: str) -> str:
+    words = ("the harbour kept its habits through every season and the boats came in at dusk " * 400).split()
+    return f"[{tag}] " + " ".join(words[:tokens])  # (one token a word for this text: 1,200 words were 1,206)
+
+
+def n_round(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int, tag: str) -> dict[str, float]:
+    """Seconds until all `n` completions are done: as one request of `n` choices, and as `n` requests."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.8, "ignore_eos": True}
+    out = {}
+    with httpx.Client(timeout=600) as c:
+        t0 = time.perf_counter()
+        r = c.post(
+            url + "/v1/completions", json=body | {"prompt": filler(prompt_tokens, f"{tag}-n"), "n": n, "seed": 7}
+        )
+        r.raise_for_status()
+        out["one_request_s"] = time.perf_counter() - t0
+        out["prompt_tokens"] = r.json()["usage"]["prompt_tokens"]
+    prompt = filler(prompt_tokens, f"{tag}-separate")
+
+    async def separate() -> None:
+        async with httpx.AsyncClient(timeout=600) as c:
+            answers = await asyncio.gather(
+                *(c.post(url + "/v1/completions", json=body | {"prompt": prompt, "seed": 7 + i}) for i in range(n))
+            )
+            for a in answers:
+                a.raise_for_status()
+
+    t0 = time.perf_counter()
+    asyncio.run(separate())
+    out["separate_s"] = time.perf_counter() - t0
+    out["speedup"] = out["separate_s"] / out["one_request_s"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
@@ -75,6 +114,9 @@ def main() -> None:
     p.add_argument("--waves", type=int, default=2, help="requests per arm and level = waves x concurrency")
     p.add_argument("--min-requests", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--n-prompt-tokens", type=int, default=1500)
+    p.add_argument("--n-max-tokens", type=int, default=32)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "api_features.json"))
     args = p.parse_args()
 
@@ -99,6 +141,11 @@ def main() -> None:
                 line = ", ".join(f"{name} {measured[c][name]['out_tok_s']:.1f}" for name in ARMS)
                 print(f"round {i + 1} c={c}: out tok/s {line}", flush=True)
             rounds.append(measured)
+        n_rounds = []
+        for i in range(args.rounds):
+            one = n_round(server.url, model, args.n, args.n_prompt_tokens, args.n_max_tokens, f"round{i}")
+            print(f"round {i + 1} n={args.n}: {one}", flush=True)
+            n_rounds.append(one)
     finally:
         server.stop()
     ratios = {
@@ -113,7 +160,18 @@ def main() -> None:
         for name, rs in per.items():
             each = ", ".join(f"{r:.3f}x" for r in rs)
             print(f"c={c}: {name} vs plain out tok/s per round {each}; median {statistics.median(rs):.3f}x")
-    report = {**run_info(args), "arms": ARMS, "rounds": rounds, "ratio_vs_plain_per_round": ratios}
+    speedups = [r["speedup"] for r in n_rounds]
+    each = ", ".join(f"{x:.2f}x" for x in speedups)
+    median = statistics.median(speedups)
+    print(f"n={args.n}: one request vs {args.n} separate, faster per round {each}; median {median:.2f}x")
+    report = {
+        **run_info(args),
+        "arms": ARMS,
+        "rounds": rounds,
+        "ratio_vs_plain_per_round": ratios,
+        "n_rounds": n_rounds,
+        "n_speedup_per_round": speedups,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
 

@@ -48,6 +48,12 @@ def test_each_request_is_exact_refused_or_failed():
     assert outcome(_sent(want, error="broken"), want) == "failed"
     r = report([_sent(want), _sent([5, 7])], {catalogue(1)[0].key: want}, [], [], [], [])
     assert (r["exact"], r["failed"], r["tokens"]["lost"], r["passed"]) == (1, 1, 1, False)
+    # A request of two choices: both checked, choice after choice.
+    two = _sent([5, 6])
+    two.stream.choices, two.stream.others = 2, {1: [7]}
+    assert outcome(two, want) == "exact"
+    two.stream.others = {1: [8]}
+    assert outcome(two, want) == "failed"
 
 
 def test_logprobs_are_checked_where_asked_within_the_tolerance():
@@ -68,6 +74,8 @@ def test_logprobs_are_checked_where_asked_within_the_tolerance():
         == {a.kind for a in asks if a.structured}
         == {"greedy", "seeded", "long", "chat"}
     )
+    assert {a.key for a in asks if a.n == 2} == {1, 7, 13, 19}
+    assert next(a for a in asks if a.n == 2).body("m")["n"] == 2
     structured = next(a for a in asks if a.structured).body("m")
     assert structured["response_format"]["json_schema"]["schema"]["required"] == ["topic", "facts", "year"]
 

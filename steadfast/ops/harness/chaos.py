@@ -62,6 +62,14 @@ class Stream:
     accepted: bool = False  # a 200 came: the service took it
     request_id: str = ""  # the service's id for it (its chunks'), once accepted
     logprobs: list[float] = field(default_factory=list)  # each token's, where the request asked
+    choices: int = 1  # `n` of the request: `tokens` are choice 0's, `others` the rest's
+    others: dict[int, list[int]] = field(default_factory=dict)
+    ended: dict[int, str] = field(default_factory=dict)  # each choice's finish reason, as it came
+
+    @property
+    def all_tokens(self) -> list[int]:
+        """Every choice's tokens, choice after choice."""
+        return self.tokens + [t for k in range(1, self.choices) for t in self.others.get(k, [])]
 
     @property
     def longest_gap(self) -> float:
@@ -114,11 +122,18 @@ def stream_body(url: str, body: dict[str, Any], s: Stream, deadline_s: float = S
                             break
                         for choice in chunk["choices"]:
                             ids = choice.get("token_ids") or []
-                            s.tokens += ids
-                            if choice.get("logprobs"):  # (a chunk's are its text's tokens': in order overall)
-                                s.logprobs += [c["logprob"] for c in choice["logprobs"]["content"]]
-                            s.arrivals += [time.monotonic()] * len(ids)
-                            s.finish = choice.get("finish_reason") or s.finish
+                            k = choice.get("index", 0)
+                            if k:
+                                s.others.setdefault(k, []).extend(ids)
+                            else:
+                                s.tokens += ids
+                                if choice.get("logprobs"):  # (a chunk's are its text's tokens': in order)
+                                    s.logprobs += [c["logprob"] for c in choice["logprobs"]["content"]]
+                                s.arrivals += [time.monotonic()] * len(ids)
+                            if choice.get("finish_reason"):
+                                s.ended[k] = choice["finish_reason"]
+                        if len(s.ended) == s.choices:  # (every choice ended: choice 0's reason stands)
+                            s.finish = s.ended[0]
                         last, pending = pending or last, None
         except httpx.TransportError:
             time.sleep(0.2)  # the router is gone or not back yet

@@ -59,6 +59,7 @@ class Ask:
     adjusted: bool = False  # with ADJUSTED's penalties: state the new owner rebuilds after a fault
     logprobs: bool = False  # with LOGPROBS: each token's logprob checked too
     structured: bool = False  # with STRUCTURED's JSON schema: the grammar's state the new owner rebuilds
+    n: int = 1  # choices: each its own engine request, all checked
 
     def body(self, model: str) -> dict[str, Any]:
         b: dict[str, Any] = {
@@ -75,6 +76,7 @@ class Ask:
             | (ADJUSTED if self.adjusted else {})
             | (LOGPROBS if self.logprobs else {})
             | (STRUCTURED if self.structured else {})
+            | ({"n": self.n} if self.n > 1 else {})
         )
 
 
@@ -121,7 +123,8 @@ def catalogue(seed: int, size: int = 24, long_words: int = 400) -> list[Ask]:
         seeded = kind == "seeded" or (kind == "chat" and key % 8 == 3)
         temperature, ask_seed = (0.8, 1000 + key) if seeded else (0.0, None)
         extras = (key % 5 == 4, key % 5 == 2, key % 5 == 0)  # adjusted, logprobs, structured
-        asks.append(Ask(key, kind, messages, tokens, temperature, ask_seed, priority, *extras))
+        n = 2 if key % 6 == 1 else 1  # (keys 1, 7, 13, 19: seeded, greedy and seeded chats)
+        asks.append(Ask(key, kind, messages, tokens, temperature, ask_seed, priority, *extras, n))
     return asks
 
 
@@ -173,7 +176,7 @@ class Traffic:
             if not self._slots.acquire(blocking=False):
                 self.late += 1
                 self._slots.acquire()
-            sent = Sent(ask, time.monotonic())
+            sent = Sent(ask, time.monotonic(), Stream("", choices=ask.n))
             with self._lock:
                 self.sent.append(sent)
             t = threading.Thread(target=self._one, args=(sent,), daemon=True)

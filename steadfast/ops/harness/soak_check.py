@@ -56,7 +56,7 @@ def outcome(sent: Sent, want: list[int], want_logprobs: list[float] | None = Non
     s = sent.stream
     if not s.accepted:
         return "refused"  # never taken by the service: waited out until the client's deadline
-    if s.error or s.finish != "length" or s.tokens != want:
+    if s.error or s.finish != "length" or s.all_tokens != want:
         return "failed"
     if logprobs_differ(want_logprobs, s.logprobs, tolerance) is not None:
         return "failed"
@@ -147,10 +147,10 @@ def report(
         o = outcome(x, want, want_logprobs, tolerance)
         outcomes[o] += 1
         if o == "failed":
-            d = diff(want, x.stream.tokens)
+            got = x.stream.all_tokens
+            d = diff(want, got)
             for k in tokens:
                 tokens[k] += d[k]
-            got = x.stream.tokens
             at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
             failures.append(
                 {

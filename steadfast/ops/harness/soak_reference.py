@@ -18,7 +18,9 @@ from steadfast.worker.loaded import LoadedModel, load_model, private_arena
 
 @dataclass
 class Expected:
-    tokens: dict[int, list[int]]  # by ask key, each request run to its `max_tokens` (EOS ignored, as sent)
+    # By ask key, each request run to its `max_tokens` (EOS ignored, as sent); an ask of `n` choices: every
+    # choice's tokens, choice after choice (choice k is the request with seed + k).
+    tokens: dict[int, list[int]]
     logprobs: dict[int, list[float]]  # each token's, for the asks that want them
     # The logprob difference a served run may show: none where every row is computed alike whatever the
     # batch (`model.deterministic`); in fp32 a prefix-cache hit alone moves one by 2.5e-5 (measured).
@@ -36,19 +38,21 @@ def reference(cfg: Config, asks: list[Ask], loaded: LoadedModel | None = None) -
             ids = loaded.tokenizer.encode_chat([{"role": r, "content": c} for r, c in a.messages])
             adjusted = ADJUSTED if a.adjusted else {}
             logprobs = LOGPROBS["top_logprobs"] if a.logprobs else -1
-            params = SamplingParams(
-                a.max_tokens,
-                a.temperature,
-                seed=a.seed or 0,
-                ignore_eos=True,
-                logprobs=logprobs,
-                grammar=from_json_schema(SCHEMA) if a.structured else "",  # (as the router makes it)
-                **adjusted,
-            )
-            reqs.append(AddRequest(f"ask{a.key}", ids, params))
+            for k in range(a.n):
+                params = SamplingParams(
+                    a.max_tokens,
+                    a.temperature,
+                    seed=(a.seed or 0) + k,
+                    ignore_eos=True,
+                    logprobs=logprobs,
+                    grammar=from_json_schema(SCHEMA) if a.structured else "",  # (as the router makes it)
+                    **adjusted,
+                )
+                reqs.append(AddRequest(f"ask{a.key}" + (f"-{k}" if k else ""), ids, params))
         out = engine.generate(reqs)
     finally:
         engine.arena.unlink()
-    tokens = {a.key: [t for o in out[f"ask{a.key}"] for t in o.token_ids] for a in asks}
+    names = {a.key: [f"ask{a.key}" + (f"-{k}" if k else "") for k in range(a.n)] for a in asks}
+    tokens = {a.key: [t for name in names[a.key] for o in out[name] for t in o.token_ids] for a in asks}
     logprobs = {a.key: [lp.logprob for o in out[f"ask{a.key}"] for lp in o.logprobs or ()] for a in asks if a.logprobs}
     return Expected(tokens, logprobs, 0.0 if loaded.model.deterministic else 1e-4)
