@@ -92,7 +92,7 @@ def test_every_schema_of_the_corpus_gets_valid_json_or_a_400_naming_the_field(cl
             return name, ok, None, exc
         return name, ok, r.choices[0], None
 
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(one, cases))
     complete = []
     for name, ok, choice, error in results:
@@ -300,3 +300,18 @@ def test_n_is_bounded(server, model, extra, param):
     body = {"model": model, "max_tokens": 2} | ({"prompt": "x"} if "best_of" in extra else {"messages": ask("x")})
     r = httpx.post(server.url + path, json=body | extra, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_echo_opens_each_choice_with_the_prompt(server, client, model):
+    ask = {"model": model, "max_tokens": 6, "temperature": 0}
+    plain = client.completions.create(prompt="The capital of France is", **ask)
+    echoed = client.completions.create(prompt="The capital of France is", echo=True, n=2, **ask)
+    assert [c.text for c in echoed.choices] == ["The capital of France is" + plain.choices[0].text] * 2
+    ids = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": "Paris is"}).json()["tokens"]
+    by_ids = client.completions.create(prompt=ids, echo=True, **ask)
+    assert by_ids.choices[0].text.startswith("Paris is")
+    chunks = list(client.completions.create(prompt="The capital of France is", echo=True, stream=True, **ask))
+    assert chunks[0].choices[0].text == "The capital of France is"
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    r = httpx.post(server.url + "/v1/completions", json={**ask, "prompt": "x", "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text

@@ -8,7 +8,7 @@ the client can see; a client that goes away aborts its request on the worker.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -37,7 +37,7 @@ from steadfast.control.http.guard import Guard, GuardConfig, identity_of
 from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.serving import ServingContext, admit, check_model, check_model_name
-from steadfast.control.http.streams import respond, stream_chat, stream_completion
+from steadfast.control.http.streams import Choices, respond, stream_chat, stream_completion
 from steadfast.control.http.tags import request_tag
 from steadfast.control.http.tokenize import add_tokenize_routes
 from steadfast.control.http.truncate import cut_chat, cut_prompt
@@ -304,12 +304,17 @@ def create_app(
             return cut_prompt(ids, cap, ctx.tokenizer.info.bos_token_id), 0
 
         prepared = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut, resuming(body, http))
+        # `echo`: each choice's text opens with the prompt (as given, or its token ids' text).
+        echo = "" if not body.echo else prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
 
         def choice(index: int, text: str, entries: list[Entry] | None) -> dict[str, Any]:
             lp = None if entries is None else completion_logprobs(ctx.names, entries, 0)
-            return {"index": index, "text": text, "logprobs": lp}
+            return {"index": index, "text": echo + text, "logprobs": lp}
 
-        return await respond(ctx, prepared, body, http, stream_completion, "text_completion", choice, ignored)
+        def streamer(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
+            return stream_completion(ctx, served, echo)
+
+        return await respond(ctx, prepared, body, http, streamer, "text_completion", choice, ignored)
 
     @app.post("/v1/chat/completions", responses=ANSWERS)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:

@@ -156,8 +156,8 @@ class CompletionRequest(_Sampling):
         return -1 if self.logprobs is None else self.logprobs
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and self.logprobs is not None:
+            return "echo", "echo with logprobs (the prompt's logprobs) is not supported"
         if self.best_of not in (None, 1, self.n):
             return "best_of", "best_of other than n (every choice returned) is not supported"
         if self.suffix:

@@ -291,14 +291,17 @@ async def stream(
         await outputs.aclose()
 
 
-def stream_completion(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
+def stream_completion(ctx: ServingContext, served: Choices, echo: str = "") -> AsyncIterator[bytes]:
+    """`echo`: the prompt's text, each choice's first chunk (not counted in its resume points: a resumed
+    stream does not send it again)."""
+
     def choice(
         gen: Generation, text: str, offset: int, reason: str | None, entries: list[Entry] | None
     ) -> dict[str, Any]:
         lp = None if entries is None else completion_logprobs(ctx.names, entries, offset)
         return {"index": gen.p.choice, "text": text, "logprobs": lp, "finish_reason": reason}
 
-    return stream(ctx, served, "text_completion", choice, None)
+    return stream(ctx, served, "text_completion", choice, {"text": echo} if echo else None)
 
 
 def stream_chat(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
