@@ -81,7 +81,7 @@ def test_every_schema_of_the_corpus_gets_valid_json_or_a_400_naming_the_field(cl
                 model=model,
                 messages=ask(name),
                 response_format=fmt,
-                max_tokens=160,
+                max_tokens=128,
                 temperature=0,
                 # A 135M model loops ("[1,2,3,...", "{"test":{"test":...") where a schema leaves it free: the
                 # penalties (served as OpenAI's) break the loops, the grammar still bounds every token.
@@ -92,7 +92,7 @@ def test_every_schema_of_the_corpus_gets_valid_json_or_a_400_naming_the_field(cl
             return name, ok, None, exc
         return name, ok, r.choices[0], None
 
-    with ThreadPoolExecutor(12) as pool:
+    with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, cases))
     complete = []
     for name, ok, choice, error in results:
@@ -110,7 +110,8 @@ def test_every_schema_of_the_corpus_gets_valid_json_or_a_400_naming_the_field(cl
             json.loads(choice.message.content)
         )
         complete.append(name)
-    assert len(complete) >= 20, "\n".join(f"{n}: {c and c.message.content[:100]!r}" for n, _, c, _ in results)
+    print(f"{len(complete)} of {len(served)} served schemas finished within 128 tokens")
+    assert len(complete) >= 40, "\n".join(f"{n}: {c and c.message.content[:100]!r}" for n, _, c, _ in results)
 
 
 def test_json_object_streamed_and_the_openai_parse_helper(client, model):
@@ -270,14 +271,14 @@ def streamed(server, model: str, body: dict, drop_after: int = 0) -> tuple[dict[
 def test_n_choices_stream_interleaved_and_resume_from_last_event_id(server, client, model):
     body = {
         "messages": ask("a lighthouse"),
-        "max_tokens": 30,
+        "max_tokens": 20,
         "temperature": 0.8,
         "seed": 5,
         "n": 3,
         "ignore_eos": True,
     }
     whole, finish, _ = streamed(server, model, body)
-    assert sorted(whole) == [0, 1, 2] and all(len(t) == 30 for t in whole.values())
+    assert sorted(whole) == [0, 1, 2] and all(len(t) == 20 for t in whole.values())
     assert finish == {0: "length", 1: "length", 2: "length"}
     plain = chat(
         client,
@@ -286,7 +287,7 @@ def test_n_choices_stream_interleaved_and_resume_from_last_event_id(server, clie
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     assert {c.index: c.model_extra["token_ids"] for c in plain.choices} == whole  # streamed = not streamed
-    for drop_after in (5, 40, 70):  # before, while and after some choices ended
+    for drop_after in (4, 30, 50):  # before, while and after some choices ended
         got, finish, connections = streamed(server, model, body, drop_after)
         assert connections == 2 and got == whole and len(finish) == 3, drop_after
 
