@@ -221,26 +221,38 @@ class GGUFTokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("▁", " ").encode()
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+    ) -> str:
         bos = self.token_text(self.info.bos_token_id) if self.info.bos_token_id is not None else ""
         eos = self.token_text(self.info.eos_token_ids[0]) if self.info.eos_token_ids else ""
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, **extra
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+    ) -> list[int]:
         """Token ids of the rendered chat: control tokens where the template writes them, and the text of
-        the messages as plain text, so a message cannot end its turn or open another role's."""
+        the messages (and of `tools`, for a template that writes them) as plain text, so a message cannot
+        end its turn or open another role's."""
         # The template writes any BOS it wants itself, so none is added here.
         control = self._control_text
         if control is None:
-            return self.encode(self.render_chat(messages, add_generation_prompt), add_special=False)
-        stand_in, spelled = self._stand_ins(messages)
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special=False)
+        stand_in, spelled = self._stand_ins([messages, tools])
 
         def disarm(value: Any) -> Any:
-            return control.sub(lambda m: stand_in[m[0]], value) if isinstance(value, str) else value
+            if isinstance(value, str):
+                return control.sub(lambda m: stand_in[m[0]], value)
+            if isinstance(value, dict):
+                return {disarm(k): disarm(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [disarm(v) for v in value]
+            return value
 
-        text = self.render_chat([{k: disarm(v) for k, v in m.items()} for m in messages], add_generation_prompt)
+        text = self.render_chat(disarm(messages), add_generation_prompt, disarm(tools))
         back = str.maketrans(spelled)
         ids: list[int] = []
         start = 0
@@ -253,15 +265,21 @@ class GGUFTokenizer:
     def _plain_ids(self, text: str) -> list[int]:
         return self._plain.encode(text, add_special_tokens=False).ids if text else []
 
-    def _stand_ins(self, messages: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str]]:
-        """A private-use character for each control token's text, none that the template or a message
-        holds already (so one a client sent is never spelled back as a control token's text); and the
-        reverse map."""
+    def _stand_ins(self, given: Any) -> tuple[dict[str, str], dict[str, str]]:
+        """A private-use character for each control token's text, none that the template or any string in
+        `given` holds already (so one a client sent is never spelled back as a control token's text); and
+        the reverse map."""
         taken = set(self._template_chars)
-        for m in messages:
-            for value in m.values():
-                if isinstance(value, str):
-                    taken.update(_STAND_INS.findall(value))
+        stack = [given]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                taken.update(_STAND_INS.findall(value))
+            elif isinstance(value, dict):
+                stack.extend(value.keys())
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
         free = (c for c in map(chr, range(_FIRST_STAND_IN, 0x110000)) if c not in taken)
         stand_in = dict(zip(self._control, free, strict=False))
         return stand_in, {c: t for t, c in stand_in.items()}

@@ -1,9 +1,10 @@
-"""The state a request's sampling carries — a JSON schema's grammar, logprobs, penalties, `n` choices — through
-the three ways a request changes hands (issue 50 §6): its worker `kill -9`ed (a standby takes over from the ledger),
-a live migration to the other worker, and the router killed (the client reconnects with `Last-Event-ID`).
-Each stream has tokens before and after the fault and must end as the fault-free run: the same tokens,
-each once, the same logprobs (fp32: within 1e-4), JSON valid against its schema; and each fault is
-checked to have happened (the pid gone, the takeover or migration recorded, the router replaced)."""
+"""The state a request's sampling carries — a JSON schema's grammar, logprobs, penalties, `n` choices, a tool
+call — through the three ways a request changes hands (issue 50 §6): its worker `kill -9`ed (a standby takes
+over from the ledger), a live migration to the other worker, and the router killed (the client reconnects
+with `Last-Event-ID`). Each stream has tokens before and after the fault and must end as the fault-free run:
+the same tokens, each once, the same logprobs (fp32: within 1e-4), JSON valid against its schema, the one
+call's deltas each once; and each fault is checked to have happened (the pid gone, the takeover or
+migration recorded, the router replaced)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import httpx
 import jsonschema
 import pytest
 
+from steadfast.control.http import tools
+from steadfast.control.http.openai_models import ChatCompletionRequest
 from steadfast.control.http.tags import request_tag
+from steadfast.model import grammar
 from steadfast.model.grammar import from_json_schema
 from steadfast.ops.harness.chaos import children_named
 from steadfast.util.proc import process_gone
@@ -53,22 +57,14 @@ SCHEMA = {
     "additionalProperties": False,
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "readings", "schema": SCHEMA, "strict": True}}
-SPECS = [  # (what, extra body fields, SamplingParams fields for the reference)
-    ("json greedy", {"response_format": FORMAT}, {"grammar": from_json_schema(SCHEMA)}),
-    (
-        "json sampled",
-        {"response_format": FORMAT, "temperature": 0.9, "seed": 31},
-        {"grammar": from_json_schema(SCHEMA)},
-    ),
-    (
-        "logprobs and penalties",
-        {"logprobs": True, "top_logprobs": 3, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "ignore_eos": True},
-        {"logprobs": 3, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "ignore_eos": True},
-    ),
-    ("n=3 sampled", {"n": 3, "temperature": 0.8, "seed": 50, "ignore_eos": True}, {"ignore_eos": True}),
-]
+TOOL = {"type": "function", "function": {"name": "record_readings", "parameters": SCHEMA}}
+CALL = {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "record_readings"}}}
 MAX_TOKENS = 128
 PROMPT = "List today's temperature readings for Oslo as JSON."
+
+
+def request(extra: dict) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(body("m", extra))
 
 
 def body(model: str, extra: dict) -> dict:
@@ -82,19 +78,36 @@ def body(model: str, extra: dict) -> dict:
     } | extra
 
 
+SPECS = [  # (what, extra body fields, SamplingParams fields for the reference)
+    ("json greedy", {"response_format": FORMAT}, {"grammar": from_json_schema(SCHEMA)}),
+    (
+        "json sampled",
+        {"response_format": FORMAT, "temperature": 0.9, "seed": 31},
+        {"grammar": from_json_schema(SCHEMA)},
+    ),
+    (
+        "logprobs and penalties",
+        {"logprobs": True, "top_logprobs": 3, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "ignore_eos": True},
+        {"logprobs": 3, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "ignore_eos": True},
+    ),
+    ("n=3 sampled", {"n": 3, "temperature": 0.8, "seed": 50, "ignore_eos": True}, {"ignore_eos": True}),
+    ("tool call", CALL, {"grammar": grammar.from_lark(tools.call_grammar(*tools.forced(request(CALL))))}),
+]
+
+
 @pytest.fixture(scope="module")
 def want(small_config, small_model) -> list[list[tuple[list[int], list[float]]]]:
     """Per spec, per choice: the fault-free tokens and logprobs (choice i: the request with seed + i)."""
     from steadfast.worker.engine import Engine
     from steadfast.worker.loaded import private_arena
 
-    ids = small_model.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     path = f"/dev/shm/steadfast-test-api-state-{os.getpid()}.kv"
     engine = Engine(small_config, small_model, private_arena(small_config, small_model.model_cfg, path))
     try:
         reqs = []
         for i, (_, extra, params) in enumerate(SPECS):
             temperature, seed = extra.get("temperature", 0.0), extra.get("seed", 0)
+            ids = small_model.tokenizer.encode_chat(tools.prompt_messages(request(extra), template_native=False))
             for k in range(extra.get("n", 1)):
                 sampling = SamplingParams(MAX_TOKENS, temperature, seed=seed + k, **params)
                 reqs.append(AddRequest(f"r{i}-{k}", ids, sampling))
@@ -126,6 +139,7 @@ class Client(threading.Thread):
         self.logprobs: list[float] = []
         self.counts: list[list[int]] = []  # what each event id says the client holds, per choice
         self.finishes: list[str | None] = [None] * n
+        self.calls: dict[int, dict] = {}  # tool calls as a client gathers their deltas
         self.error: str | None = None
         self.reconnects = 0
 
@@ -179,6 +193,12 @@ class Client(threading.Thread):
             i = choice["index"]
             self.by_choice[i].extend(choice.get("token_ids") or [])
             self.text += (choice.get("delta") or {}).get("content") or ""
+            for d in (choice.get("delta") or {}).get("tool_calls") or ():
+                if d["index"] in self.calls and "id" in d:
+                    self.error = f"call {d['index']} opened twice"
+                one = self.calls.setdefault(d["index"], {"id": d.get("id"), "name": "", "arguments": ""})
+                one["name"] += d["function"].get("name", "")
+                one["arguments"] += d["function"].get("arguments", "")
             self.logprobs.extend(e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or ())
             self.finishes[i] = choice.get("finish_reason") or self.finishes[i]
 
@@ -203,6 +223,10 @@ def check(clients: list[Client], want) -> None:
         if "response_format" in SPECS[clients.index(c)][1]:
             assert c.finish == "stop", (what, c.text)
             jsonschema.validate(json.loads(c.text), SCHEMA)
+        if "tools" in SPECS[clients.index(c)][1]:
+            assert (c.finish, c.text, len(c.calls)) == ("tool_calls", "", 1), (what, c.text, c.calls)
+            assert c.calls[0]["id"].startswith("call_") and c.calls[0]["name"] == "record_readings"
+            jsonschema.validate(json.loads(c.calls[0]["arguments"]), SCHEMA)
 
 
 @pytest.fixture(scope="module")

@@ -316,3 +316,165 @@ def test_echo_opens_each_choice_with_the_prompt(server, client, model):
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
     r = httpx.post(server.url + "/v1/completions", json={**ask, "prompt": "x", "echo": True, "logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now.", "parameters": {}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def tool_stream(server, model: str, body: dict, drop_after: int = 0) -> tuple[str, list[dict], str, int]:
+    """A streamed chat reassembled as an OpenAI client does (content, and each call's deltas by index), and
+    its number of chunks; with `drop_after`, dropped after that many chunks and resumed with Last-Event-ID."""
+    body = {"model": model, "stream": True, **body}
+    content, calls, finish = "", {}, ""
+    last, connections, seen = None, 0, 0
+    while True:
+        connections += 1
+        headers = {"Last-Event-ID": last} if last else {}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    last = line[4:]
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    for c in chunk["choices"]:
+                        content += c["delta"].get("content") or ""
+                        for d in c["delta"].get("tool_calls") or ():
+                            one = calls.setdefault(d["index"], {"id": "", "name": "", "arguments": ""})
+                            one["id"] += d.get("id") or ""
+                            one["name"] += d.get("function", {}).get("name") or ""
+                            one["arguments"] += d.get("function", {}).get("arguments") or ""
+                        finish = c.get("finish_reason") or finish
+                    seen += 1
+                    if seen == drop_after:
+                        break
+            else:
+                return content, [calls[i] for i in sorted(calls)], finish, seen
+
+
+def test_a_tool_call_round_trip(client, model):
+    """call → `tool` message → answer, with the official client; the call valid against its parameters."""
+    first = client.chat.completions.create(
+        model=model,
+        messages=WEATHER_ASK,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        parallel_tool_calls=False,  # (this model, free to, calls again and again: it would end at max_tokens)
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    calls = choice.message.tool_calls
+    assert calls and calls[0].id.startswith("call_") and calls[0].type == "function"
+    for call in calls:
+        tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"] or {})
+    history = [
+        *WEATHER_ASK,
+        choice.message.model_dump(exclude_none=True),
+        *({"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 18, "sky": "clear"}'} for c in calls),
+    ]
+    answer = client.chat.completions.create(model=model, messages=history, tools=[WEATHER, CLOCK], max_tokens=24)
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+    # The history's call is in the prompt: the same chat without it is shorter.
+    without = client.chat.completions.create(model=model, messages=[*WEATHER_ASK, history[-1]], max_tokens=1)
+    assert answer.usage.prompt_tokens > without.usage.prompt_tokens
+
+
+def test_named_and_single_calls_streamed_as_openai_sends_them(server, client, model):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": WEATHER_ASK, "tools": [WEATHER, CLOCK], "tool_choice": named, "max_tokens": 60}
+    whole = client.chat.completions.create(model=model, temperature=0, **body)
+    [call] = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    content, calls, finish, chunks = tool_stream(server, model, {**body, "temperature": 0})
+    assert (content, finish) == ("", "tool_calls") and chunks > 6  # (the arguments come as they are written)
+    assert [c.pop("id").startswith("call_") for c in calls] == [True]  # (each request's own)
+    assert calls == [{"name": call.function.name, "arguments": call.function.arguments}]
+    # Dropped and resumed with Last-Event-ID: the same call, no delta repeated or lost.
+    for drop_after in (2, 4, 6):
+        got, again, end, _ = tool_stream(server, model, {**body, "temperature": 0}, drop_after)
+        assert [c.pop("id").startswith("call_") for c in again] == [True]
+        assert (got, again, end) == (content, calls, finish), drop_after
+    # parallel_tool_calls false: one call exactly.
+    one = client.chat.completions.create(
+        model=model,
+        messages=WEATHER_ASK,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=1.0,
+        seed=4,
+    )
+    assert len(one.choices[0].message.tool_calls) == 1
+
+
+def test_auto_and_none_leave_the_model_free(client, model):
+    auto = client.chat.completions.create(
+        model=model, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=12, temperature=0
+    )
+    none = client.chat.completions.create(
+        model=model, messages=WEATHER_ASK, tools=[WEATHER], tool_choice="none", max_tokens=12, temperature=0
+    )
+    plain = client.chat.completions.create(model=model, messages=WEATHER_ASK, max_tokens=12, temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content  # `none`: no tools in the prompt
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # `auto`: the tools are
+
+
+BAD_TOOLS = [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    (
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+    ),
+    (
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}}}
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls.arguments",
+    ),
+    ({"tools": [WEATHER] * 129}, "tools"),
+]
+
+
+@pytest.mark.parametrize("extra, param", BAD_TOOLS, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_TOOLS)])
+def test_bad_tools_are_a_400_naming_the_field(server, model, extra, param):
+    body = {"model": model, "messages": WEATHER_ASK, "max_tokens": 4, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

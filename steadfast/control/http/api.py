@@ -7,6 +7,7 @@ the client can see; a client that goes away aborts its request on the worker.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from steadfast.control.fleet.client import EngineDeadError
 from steadfast.control.fleet.health import Standing
+from steadfast.control.http import tools
 from steadfast.control.http.admin_dashboard import add_dashboard_routes
 from steadfast.control.http.admin_health import add_health_routes
 from steadfast.control.http.admin_ladder import add_degradation_routes
@@ -307,9 +309,9 @@ def create_app(
         # `echo`: each choice's text opens with the prompt (as given, or its token ids' text).
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
 
-        def choice(index: int, text: str, entries: list[Entry] | None) -> dict[str, Any]:
+        def choice(index: int, text: str, entries: list[Entry] | None, reason: str | None) -> dict[str, Any]:
             lp = None if entries is None else completion_logprobs(ctx.names, entries, 0)
-            return {"index": index, "text": echo + text, "logprobs": lp}
+            return {"index": index, "text": echo + text, "logprobs": lp, "finish_reason": reason}
 
         def streamer(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
             return stream_completion(ctx, served, echo)
@@ -334,22 +336,38 @@ def create_app(
                 param="messages",
                 code="too_many_messages",
             )
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        check_chars(ctx, body, sum(len(m["content"]) for m in messages), "messages")
-        ids = await tokenized(ctx, "messages", ctx.tokenizer.encode_chat, messages)
+        tools.check(body)
+        native = tools.native(ctx.tokenizer.info.chat_template)
+        messages = tools.prompt_messages(body, native)
+        offered = tools.offered(body) if native else []
+        encode = functools.partial(ctx.tokenizer.encode_chat, tools=offered or None)
+        check_chars(ctx, body, tools.prompt_chars(messages, offered), "messages")
+        ids = await tokenized(ctx, "messages", encode, messages)
         ensure_ready()
         ctx.check_pending()
 
         async def cut(cap: int) -> tuple[list[int], int]:
-            return await ctx.off_loop(cut_chat, messages, cap, ctx.tokenizer.encode_chat)
+            return await ctx.off_loop(cut_chat, messages, cap, encode)
 
         prepared = await admit(ctx, body, ids, body.token_limit, "chatcmpl", cut, resuming(body, http))
 
-        def choice(index: int, text: str, entries: list[Entry] | None) -> dict[str, Any]:
-            lp = None if entries is None else chat_logprobs(ctx.names, entries)
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+        def reader(index: int) -> tools.ToolReader | None:
+            return tools.reader(body, prepared.request_id, index)
 
-        return await respond(ctx, prepared, body, http, stream_chat, "chat.completion", choice, ignored)
+        def choice(index: int, text: str, entries: list[Entry] | None, reason: str | None) -> dict[str, Any]:
+            lp = None if entries is None else chat_logprobs(ctx.names, entries)
+            one = reader(index)
+            if one is not None:
+                message = tools.message(text, one)
+                reason = "tool_calls" if one.calls and reason == "stop" else reason
+            else:
+                message = {"role": "assistant", "content": text}
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
+
+        def streamer(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
+            return stream_chat(ctx, served, reader)
+
+        return await respond(ctx, prepared, body, http, streamer, "chat.completion", choice, ignored)
 
     return app
 

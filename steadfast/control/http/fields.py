@@ -60,8 +60,6 @@ _BOTH: dict[str, tuple[Any, ...]] = {
 }
 _CHAT: dict[str, tuple[Any, ...]] = {
     # OpenAI chat
-    "tool_choice": (),
-    "parallel_tool_calls": (),
     "functions": (),
     "function_call": (),
     "audio": (),
@@ -89,8 +87,8 @@ _COMPLETION: dict[str, tuple[Any, ...]] = {
 # OpenAI fields that cannot change what is generated: accepted with no effect.
 _NO_EFFECT = ("metadata", "service_tier", "prompt_cache_key", "safety_identifier", "store")
 # Fields inside one chat message.
-_MESSAGE: dict[str, tuple[Any, ...]] = {"tool_calls": ([],), "function_call": (), "audio": ()}
-_MESSAGE_NO_EFFECT = ("tool_call_id", "refusal")
+_MESSAGE: dict[str, tuple[Any, ...]] = {"function_call": (), "audio": ()}
+_MESSAGE_NO_EFFECT = ("refusal",)
 _STREAM_OPTIONS: dict[str, tuple[Any, ...]] = {"continuous_usage_stats": (False,)}
 _STREAM_OPTIONS_NO_EFFECT = ("include_obfuscation",)
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512

@@ -171,10 +171,56 @@ class TextPart(BaseModel):
     text: Text
 
 
+MAX_TOOLS = 128  # OpenAI's own bound
+MAX_TOOL_CALLS = 128  # in one assistant message of the history
+TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[StrictStr, Field(pattern=TOOL_NAME)]
+    description: Annotated[Text, Field(max_length=8192)] | None = None
+    parameters: JSONObject | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[StrictStr, Field(pattern=TOOL_NAME)]
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[Text, Field(max_length=64)]
+    arguments: Text  # (JSON text, as the model wrote it; counted with the prompt's characters)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Annotated[Text, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+    index: StrictInt | None = None  # (a stream's: clients that gather deltas send it back; no effect)
+
+
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None  # (assistant's)
+    tool_call_id: Annotated[Text, Field(max_length=256)] | None = None  # (a tool's answer: to which call)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -188,12 +234,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    tools: Annotated[list[Any], AfterValidator(_unicode)] | None = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        return super().unsupported()
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @property
     def logprob_count(self) -> int:

@@ -24,6 +24,7 @@ from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_log
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.resume_token import Held, ResumeSigner, body_digest, parse_event_id
 from steadfast.control.http.serving import Generation, Prepared, ServingContext, error_output
+from steadfast.control.http.tools import ToolReader
 from steadfast.wire.worker import FinishReason, RequestOutput
 
 _json = msgspec.json.Encoder()
@@ -131,7 +132,7 @@ async def respond(
     http: Request,
     streamer: Callable[[ServingContext, Choices], AsyncIterator[bytes]],
     obj: str,
-    choice: Callable[[int, str, list[Entry] | None], dict[str, Any]],
+    choice: Callable[[int, str, list[Entry] | None, str | None], dict[str, Any]],
     ignored: Sequence[str] = (),
 ) -> Response:
     """Run an admitted request (each of its `n` choices): an SSE stream, or one JSON body once it is
@@ -155,7 +156,7 @@ async def respond(
     asked = prepared.add.params.logprobs >= 0
     choices = []
     for g, (text, ids, entries) in zip(served.gens, results, strict=True):
-        one = {**choice(g.p.choice, text, entries if asked else None), "finish_reason": g.finish_reason}
+        one = choice(g.p.choice, text, entries if asked else None, g.finish_reason)
         if prepared.return_token_ids:
             one["token_ids"] = ids
         choices.append(one)
@@ -276,6 +277,9 @@ async def stream(
             if out.text or out.finish_reason or (gen.p.return_token_ids and out.token_ids):
                 asked = gen.p.add.params.logprobs >= 0
                 choice = make_choice(gen, out.text, offset, out.finish_reason, pending[i] if asked else None)
+                if choice is None and not gen.p.return_token_ids:
+                    continue
+                choice = choice or {"index": gen.p.choice, "delta": {}, "logprobs": None, "finish_reason": None}
                 pending[i] = []
                 if gen.p.return_token_ids:
                     choice["token_ids"] = out.token_ids
@@ -304,10 +308,40 @@ def stream_completion(ctx: ServingContext, served: Choices, echo: str = "") -> A
     return stream(ctx, served, "text_completion", choice, {"text": echo} if echo else None)
 
 
-def stream_chat(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
-    def choice(gen: Generation, text: str, _: int, reason: str | None, entries: list[Entry] | None) -> dict[str, Any]:
+def stream_chat(
+    ctx: ServingContext, served: Choices, reader: Callable[[int], ToolReader | None] = lambda _: None
+) -> AsyncIterator[bytes]:
+    """`reader`: each choice's tool-call reader (None: its text is all content). A resumed choice's reader
+    first reads, unsent, the text its client holds, so it holds back what the first run held back."""
+    readers: dict[int, ToolReader | None] = {}
+
+    def reader_of(gen: Generation) -> ToolReader | None:
+        index = gen.p.choice
+        if index not in readers:
+            readers[index] = one = reader(index)
+            resume = gen.p.add.resume
+            if one is not None and resume is not None and gen.p.have_chars:
+                one.feed(ctx.tokenizer.decode(resume.output_ids)[: gen.p.have_chars])
+        return readers[index]
+
+    def choice(
+        gen: Generation, text: str, _: int, reason: str | None, entries: list[Entry] | None
+    ) -> dict[str, Any] | None:
         lp = None if entries is None else chat_logprobs(ctx.names, entries)
-        delta = {"content": text} if text else {}
+        tool_reader = reader_of(gen)
+        calls: list[dict[str, Any]] = []
+        if tool_reader is not None:
+            text, calls = tool_reader.feed(text)
+            if reason is not None:
+                rest, more = tool_reader.finish()
+                text, calls = text + rest, calls + more
+                if tool_reader.calls and reason == FinishReason.STOP:
+                    reason = "tool_calls"
+            if not text and not calls and reason is None:
+                return None  # (all held: its tokens' logprobs ride with the chunk that sends their text)
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
         return {"index": gen.p.choice, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
     return stream(ctx, served, "chat.completion.chunk", choice, {"delta": {"role": "assistant", "content": ""}})

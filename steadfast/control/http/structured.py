@@ -16,7 +16,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from steadfast.control.http import tools
 from steadfast.control.http.errors import APIError
+from steadfast.control.http.openai_models import ChatCompletionRequest
 from steadfast.model import grammar
 from steadfast.model.tokenizer import GGUFTokenizer
 
@@ -32,7 +34,7 @@ class Asked:
     """One structured output asked for: the field that asked, its kind and what it gave."""
 
     param: str
-    kind: str  # "json", "regex", "choice", "grammar"
+    kind: str  # "json", "regex", "choice", "grammar", "tool" (a forced call: its schema, several or not)
     value: Any
 
 
@@ -122,6 +124,9 @@ def asked_for(body: Any) -> Asked | None:
                 param="structured_outputs.structural_tag",
                 code="unsupported_parameter",
             )
+    forced = tools.forced(body) if isinstance(body, ChatCompletionRequest) else None
+    if forced is not None:
+        found.append(Asked("tool_choice", "tool", forced))
     for table in (_GUIDED, _TOP):
         for field, kind in table.items():
             value = getattr(body, field, None)
@@ -151,6 +156,13 @@ def _text(asked: Asked) -> str:
         if len(json.dumps(value)) > MAX_SPEC_CHARS:
             raise _bad(asked.param, f"the schema is over {MAX_SPEC_CHARS} characters as JSON.")
         return grammar.from_json_schema(value)
+    if asked.kind == "tool":
+        schema, many = value
+        if _depth(schema) > MAX_SCHEMA_DEPTH + 2:  # (the call object and its `arguments` add two levels)
+            raise _bad("tools", f"a function's parameters nest deeper than {MAX_SCHEMA_DEPTH} levels.")
+        if len(json.dumps(schema)) > MAX_SPEC_CHARS:
+            raise _bad("tools", f"the called functions' parameters are over {MAX_SPEC_CHARS} characters as JSON.")
+        return grammar.from_lark(tools.call_grammar(schema, many))
     if asked.kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise _bad(asked.param, "a choice is a non-empty list of non-empty strings.")
@@ -162,6 +174,14 @@ def _text(asked: Asked) -> str:
     if len(value) > MAX_SPEC_CHARS:
         raise _bad(asked.param, f"it is over {MAX_SPEC_CHARS} characters.")
     return grammar.from_regex(value) if asked.kind == "regex" else grammar.from_grammar(value)
+
+
+def _refused(asked: Asked, why: str) -> APIError:
+    if asked.kind == "tool":  # (the grammar is made here: its text would not help; the schema at fault would)
+        return _bad(
+            "tools", "a function's parameters are not a schema the grammar engine takes: " + why.split("\n")[0][:300]
+        )
+    return _bad(asked.param, why[:500])
 
 
 class Grammars:
@@ -191,7 +211,7 @@ class Grammars:
         try:
             text = _text(asked)
         except grammar.GrammarError as exc:
-            raise _bad(asked.param, f"{str(exc)[:500]}") from exc
+            raise _refused(asked, str(exc)) from exc
         why = self._checked.get(text)
         if why is None:
             why = await off_loop(self._check, text)
@@ -200,5 +220,5 @@ class Grammars:
                 while len(self._checked) > _CACHED:
                     self._checked.popitem(last=False)
         if why:
-            raise _bad(asked.param, why[:500])
+            raise _refused(asked, why)
         return text
