@@ -289,11 +289,11 @@ BAD = [
         "stream_options.continuous_usage_stats",
     ),
     (
-        "assistant tool_calls in the history",
+        "assistant tool_calls without a function",
         "/v1/chat/completions",
         {"model": "MODEL", "messages": [{"role": "assistant", "tool_calls": [{"id": "c1"}]}, *HI]},
         400,
-        "messages[0].tool_calls",
+        "messages.0.tool_calls.0.function",
     ),
     ("store true", "/v1/chat/completions", {"model": "MODEL", "messages": HI, "store": True}, 400, "store"),
     (

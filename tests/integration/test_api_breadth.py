@@ -478,3 +478,121 @@ def test_bad_tools_are_a_400_naming_the_field(server, model, extra, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_responses_answers_as_the_chat_it_is(client, model):
+    """`/v1/responses` (stateless) with the official client: the same text as the chat it translates to."""
+    ask = {"model": model, "temperature": 0}
+    resp = client.responses.create(input="Name three colours.", instructions="Be brief.", max_output_tokens=12, **ask)
+    chat = client.chat.completions.create(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}],
+        max_tokens=12,
+        **ask,
+    )
+    assert resp.object == "response" and resp.id.startswith("resp_")
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    done = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    assert resp.status == done
+    if done == "incomplete":
+        assert resp.incomplete_details.reason == "max_output_tokens"
+    # Streamed: the events in order, numbered, their deltas making the same text.
+    events = list(
+        client.responses.create(
+            input="Name three colours.", instructions="Be brief.", max_output_tokens=12, stream=True, **ask
+        )
+    )
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{done}",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
+    assert events[-1].response.output_text == resp.output_text
+
+
+def test_responses_tools_round_trip_and_structured_text(client, model):
+    tool = {"type": "function", **WEATHER["function"]}
+    first = client.responses.create(
+        model=model,
+        input="What is the weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    )
+    [call] = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 18}'},
+    ]
+    answer = client.responses.create(model=model, input=history, tools=[tool], max_output_tokens=16)
+    assert answer.output_text
+    # Streamed call: its item added with the name, then its arguments as deltas.
+    events = list(
+        client.responses.create(
+            model=model,
+            input="What is the weather in Paris?",
+            tools=[tool],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=60,
+            temperature=0,
+            stream=True,
+        )
+    )
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(a.type, a.name, a.call_id) for a in added] == [("function_call", "get_weather", added[0].call_id)]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert (
+        deltas
+        == call.arguments
+        == next(e.arguments for e in events if e.type == "response.function_call_arguments.done")
+    )
+    # text.format: a JSON schema.
+    fmt = {
+        "type": "json_schema",
+        "name": "city",
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    shaped = client.responses.create(
+        model=model, input="A city as JSON.", text={"format": fmt}, max_output_tokens=40, temperature=0
+    )
+    jsonschema.validate(json.loads(shaped.output_text), fmt["schema"])
+
+
+BAD_RESPONSES = [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"include": ["file_search_call.results"]}, "include[0]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+]
+
+
+@pytest.mark.parametrize("extra, param", BAD_RESPONSES, ids=[p for _, p in BAD_RESPONSES])
+def test_bad_responses_are_a_400_naming_the_field(server, model, extra, param):
+    body = {"model": model, "input": "hi", "max_output_tokens": 4, **extra}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

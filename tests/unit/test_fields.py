@@ -29,7 +29,7 @@ def test_a_peer_field_is_refused_unless_neutral_and_a_bool_is_not_a_number():
         ({"length_penalty": True}, "length_penalty"),  # (True == 1 in Python)
         ({"skip_special_tokens": 1}, "skip_special_tokens"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-        ({"tool_choice": "none"}, "tool_choice"),
+        ({"function_call": "auto"}, "function_call"),
     ]:
         with pytest.raises(APIError) as e:
             unknown_fields(chat(**fields), chat=True)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from steadfast.control.http.api import tokenized
+from steadfast.control.http.chat import tokenized
 from steadfast.control.http.errors import APIError
 from steadfast.control.http.guard import GuardConfig, refusal
 from steadfast.control.http.serving import ServingContext

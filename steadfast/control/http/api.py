@@ -7,7 +7,6 @@ the client can see; a client that goes away aborts its request on the worker.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
@@ -27,6 +26,14 @@ from steadfast.control.http.admin_health import add_health_routes
 from steadfast.control.http.admin_ladder import add_degradation_routes
 from steadfast.control.http.admin_moves import add_migration_routes
 from steadfast.control.http.admin_soak import add_soak_routes
+from steadfast.control.http.chat import (
+    admit_chat,
+    check_chars,
+    ensure_ready,
+    resuming,
+    served_priority,
+    tokenized,
+)
 from steadfast.control.http.dashboard import Dashboard
 from steadfast.control.http.errors import (
     APIError,
@@ -35,14 +42,15 @@ from steadfast.control.http.errors import (
     http_error_handler,
     validation_error_handler,
 )
-from steadfast.control.http.guard import Guard, GuardConfig, identity_of
+from steadfast.control.http.guard import Guard, GuardConfig
 from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
+from steadfast.control.http.responses import add_responses_routes
 from steadfast.control.http.serving import ServingContext, admit, check_model, check_model_name
 from steadfast.control.http.streams import Choices, respond, stream_chat, stream_completion
 from steadfast.control.http.tags import request_tag
 from steadfast.control.http.tokenize import add_tokenize_routes
-from steadfast.control.http.truncate import cut_chat, cut_prompt
+from steadfast.control.http.truncate import cut_prompt
 
 # What every route may answer besides its 200, documented so clients (and schemathesis) know it.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -113,16 +121,6 @@ def create_app(
         ).response()
 
     ctx.created = int(time.time())
-
-    def ensure_ready() -> None:
-        if not any(w.ready for w in ctx.client.workers):
-            raise APIError(
-                "No worker is ready to serve; retry shortly.",
-                503,
-                type_="service_unavailable",
-                code="no_worker",
-                headers={"Retry-After": "1"},
-            )
 
     @app.get(
         "/health",
@@ -299,7 +297,7 @@ def create_app(
             if any(t < 0 or t >= ctx.tokenizer.vocab_size for t in ids):
                 raise APIError(f"Token ids in 'prompt' must be in [0, {ctx.tokenizer.vocab_size}).", param="prompt")
             check_chars(ctx, body, 0, "prompt")  # (no text: the stop strings alone)
-        ensure_ready()
+        ensure_ready(ctx)
         ctx.check_pending()
 
         async def cut(cap: int) -> tuple[list[int], int]:
@@ -321,38 +319,7 @@ def create_app(
     @app.post("/v1/chat/completions", responses=ANSWERS)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
         ignored = check_model(ctx, body)
-        body.priority = served_priority(body.priority, http)
-        if len(body.messages) > ctx.limits.max_messages:
-            at_least = len(body.messages) * ctx.message_tokens
-            if at_least >= ctx.max_model_len:  # (too long whatever else: the client's real problem)
-                raise APIError(
-                    f"This model's maximum context length is {ctx.max_model_len} tokens, but your {len(body.messages)} "
-                    f"messages take at least {at_least} tokens. Please shorten the conversation.",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
-            raise APIError(
-                f"This request has {len(body.messages)} messages; the limit is {ctx.limits.max_messages}.",
-                param="messages",
-                code="too_many_messages",
-            )
-        tools.check(body)
-        native = tools.native(ctx.tokenizer.info.chat_template)
-        messages = tools.prompt_messages(body, native)
-        offered = tools.offered(body) if native else []
-        encode = functools.partial(ctx.tokenizer.encode_chat, tools=offered or None)
-        check_chars(ctx, body, tools.prompt_chars(messages, offered), "messages")
-        ids = await tokenized(ctx, "messages", encode, messages)
-        ensure_ready()
-        ctx.check_pending()
-
-        async def cut(cap: int) -> tuple[list[int], int]:
-            return await ctx.off_loop(cut_chat, messages, cap, encode)
-
-        prepared = await admit(ctx, body, ids, body.token_limit, "chatcmpl", cut, resuming(body, http))
-
-        def reader(index: int) -> tools.ToolReader | None:
-            return tools.reader(body, prepared.request_id, index)
+        prepared, reader = await admit_chat(ctx, body, http, "chatcmpl")
 
         def choice(index: int, text: str, entries: list[Entry] | None, reason: str | None) -> dict[str, Any]:
             lp = None if entries is None else chat_logprobs(ctx.names, entries)
@@ -369,41 +336,6 @@ def create_app(
 
         return await respond(ctx, prepared, body, http, streamer, "chat.completion", choice, ignored)
 
+    add_responses_routes(app, ctx)
+
     return app
-
-
-def served_priority(asked: str, http: Request) -> str:
-    """The priority a request is served at: what it asked for, bounded by what its caller may claim (its
-    key's highest; without keys, `access.client_priority`). Never refused for asking: served lower."""
-    identity = identity_of(http.state)
-    return identity.priority(asked) if identity is not None else asked
-
-
-def resuming(body: CompletionRequest | ChatCompletionRequest, http: Request) -> bool:
-    """A streamed request with Last-Event-ID continues an accepted one (streams.reconnect checks it)."""
-    return bool(body.stream and http.headers.get("last-event-id"))
-
-
-def check_chars(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest, chars: int, param: str) -> None:
-    """The prompt's characters and the stop strings' together within `max_prompt_chars`: both travel
-    with the request to its worker and into its ledger record."""
-    limit = ctx.limits.max_prompt_chars
-    stop = sum(len(s) for s in body.stop_list)
-    if chars > limit:
-        raise APIError(f"The prompt has {chars} characters; the limit is {limit}.", param=param, code="prompt_too_long")
-    if chars + stop > limit:
-        raise APIError(
-            f"The stop sequences have {stop} characters and the prompt {chars}; together they may have {limit}.",
-            param="stop",
-            code="stop_too_long",
-        )
-
-
-async def tokenized(ctx: ServingContext, param: str, encode: Callable[[Any], list[int]], what: Any) -> list[int]:
-    """Token ids of a prompt or of rendered messages, computed off the event loop; text the tokenizer or
-    the chat template refuses (a lone surrogate, roles in an order the template rejects) is a 400."""
-    try:
-        return await ctx.off_loop(encode, what)
-    except Exception as exc:
-        where = "chat template" if param == "messages" else "tokenizer"
-        raise APIError(f"The {where} rejected this {param}: {exc}", param=param) from exc

@@ -60,6 +60,7 @@ class Ask:
     logprobs: bool = False  # with LOGPROBS: each token's logprob checked too
     structured: bool = False  # with STRUCTURED's JSON schema: the grammar's state the new owner rebuilds
     n: int = 1  # choices: each its own engine request, all checked
+    tools: bool = False  # with TOOLS: a forced call of a tool whose parameters are SCHEMA
 
     def body(self, model: str) -> dict[str, Any]:
         b: dict[str, Any] = {
@@ -77,6 +78,7 @@ class Ask:
             | (LOGPROBS if self.logprobs else {})
             | (STRUCTURED if self.structured else {})
             | ({"n": self.n} if self.n > 1 else {})
+            | (TOOLS if self.tools else {})
         )
 
 
@@ -97,6 +99,12 @@ SCHEMA = {
     "additionalProperties": False,
 }
 STRUCTURED = {"response_format": {"type": "json_schema", "json_schema": {"name": "facts", "schema": SCHEMA}}}
+# A forced tool call every fifth request makes (keys 3, 8, 13, 18, 23): the tools in its prompt, the call's
+# grammar, and the stream's tool-call reader that a resumed stream primes with what its client holds.
+TOOLS = {
+    "tools": [{"type": "function", "function": {"name": "note_facts", "parameters": SCHEMA}}],
+    "tool_choice": {"type": "function", "function": {"name": "note_facts"}},
+}
 
 
 def catalogue(seed: int, size: int = 24, long_words: int = 400) -> list[Ask]:
@@ -124,7 +132,7 @@ def catalogue(seed: int, size: int = 24, long_words: int = 400) -> list[Ask]:
         temperature, ask_seed = (0.8, 1000 + key) if seeded else (0.0, None)
         extras = (key % 5 == 4, key % 5 == 2, key % 5 == 0)  # adjusted, logprobs, structured
         n = 2 if key % 6 == 1 else 1  # (keys 1, 7, 13, 19: seeded, greedy and seeded chats)
-        asks.append(Ask(key, kind, messages, tokens, temperature, ask_seed, priority, *extras, n))
+        asks.append(Ask(key, kind, messages, tokens, temperature, ask_seed, priority, *extras, n, key % 5 == 3))
     return asks
 
 

@@ -9,7 +9,9 @@ import uuid
 from dataclasses import dataclass
 
 from steadfast.config import Config
-from steadfast.model.grammar import from_json_schema
+from steadfast.control.http import tools
+from steadfast.control.http.openai_models import ChatCompletionRequest
+from steadfast.model.grammar import from_json_schema, from_lark
 from steadfast.ops.harness.soak import ADJUSTED, LOGPROBS, SCHEMA, Ask
 from steadfast.wire.worker import AddRequest, SamplingParams
 from steadfast.worker.engine import Engine
@@ -35,7 +37,13 @@ def reference(cfg: Config, asks: list[Ask], loaded: LoadedModel | None = None) -
     try:
         reqs = []
         for a in asks:
-            ids = loaded.tokenizer.encode_chat([{"role": r, "content": c} for r, c in a.messages])
+            # The prompt and grammar as the router makes them (a tool call's: its tools in the prompt).
+            request = ChatCompletionRequest.model_validate(a.body("m"))
+            ids = loaded.tokenizer.encode_chat(tools.prompt_messages(request, template_native=False))
+            forced = tools.forced(request)
+            grammar = (
+                from_lark(tools.call_grammar(*forced)) if forced else from_json_schema(SCHEMA) if a.structured else ""
+            )
             adjusted = ADJUSTED if a.adjusted else {}
             logprobs = LOGPROBS["top_logprobs"] if a.logprobs else -1
             for k in range(a.n):
@@ -45,7 +53,7 @@ def reference(cfg: Config, asks: list[Ask], loaded: LoadedModel | None = None) -
                     seed=(a.seed or 0) + k,
                     ignore_eos=True,
                     logprobs=logprobs,
-                    grammar=from_json_schema(SCHEMA) if a.structured else "",  # (as the router makes it)
+                    grammar=grammar,
                     **adjusted,
                 )
                 reqs.append(AddRequest(f"ask{a.key}" + (f"-{k}" if k else ""), ids, params))
