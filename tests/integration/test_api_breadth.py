@@ -294,11 +294,19 @@ def test_n_choices_stream_interleaved_and_resume_from_last_event_id(server, clie
 
 @pytest.mark.parametrize(
     "extra, param",
-    [({"n": 9}, "n"), ({"n": 0}, "n"), ({"n": 2, "best_of": 3}, "best_of")],
+    [
+        ({"n": 9}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+        ({"prompt": ["a"] * 33, "n": 2}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+    ],
 )
 def test_n_is_bounded(server, model, extra, param):
-    path = "/v1/completions" if "best_of" in extra else "/v1/chat/completions"
-    body = {"model": model, "max_tokens": 2} | ({"prompt": "x"} if "best_of" in extra else {"messages": ask("x")})
+    completion = "best_of" in extra or "prompt" in extra
+    path = "/v1/completions" if completion else "/v1/chat/completions"
+    body = {"model": model, "max_tokens": 2} | ({"prompt": "x"} if completion else {"messages": ask("x")})
     r = httpx.post(server.url + path, json=body | extra, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -596,3 +604,50 @@ def test_bad_responses_are_a_400_naming_the_field(server, model, extra, param):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_list_of_prompts_gives_each_its_choices(server, client, model):
+    """One choice per prompt (n per prompt, prompt p's at p * n on), each equal to its prompt alone with
+    its choice's seed; streamed and resumed alike; token-id prompts too."""
+    prompts = ["The sea is", "A lighthouse stands", "Gulls fly over"]
+    ask = {"model": model, "max_tokens": 6, "temperature": 0.9, "seed": 7}
+    many = client.completions.create(prompt=prompts, n=2, **ask)
+    assert [c.index for c in many.choices] == list(range(6))
+    for p, prompt in enumerate(prompts):
+        for j in range(2):
+            alone = client.completions.create(prompt=prompt, **{**ask, "seed": 7 + j})
+            assert many.choices[p * 2 + j].text == alone.choices[0].text, (p, j)
+    assert many.usage.prompt_tokens == sum(
+        client.completions.create(prompt=p, **{**ask, "max_tokens": 1}).usage.prompt_tokens for p in prompts
+    )
+    ids = [httpx.post(server.url + "/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+    by_ids = client.completions.create(prompt=ids, n=2, **ask)
+    assert [c.text for c in by_ids.choices] == [c.text for c in many.choices]
+    body = {"model": model, "prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0.9, "seed": 7, "stream": True}
+    texts: dict[int, str] = {}
+    last, seen = None, 0
+    for attempt in range(2):  # dropped after 5 chunks, then resumed with Last-Event-ID
+        headers = {"Last-Event-ID": last} if last else {}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    last = line[4:]
+                elif line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                    seen += 1
+                    if attempt == 0 and seen == 5:
+                        break
+    assert [texts[i] for i in range(6)] == [c.text for c in many.choices]
+
+
+def test_best_of_answers_the_likeliest_runs(client, model):
+    ask = {"model": model, "prompt": "The harbour at dawn", "max_tokens": 8, "temperature": 1.0, "seed": 21}
+    best = client.completions.create(best_of=4, n=2, logprobs=0, **ask)
+    runs = [client.completions.create(logprobs=0, **{**ask, "seed": 21 + i}).choices[0] for i in range(4)]
+    ranked = sorted(runs, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in runs)  # (every run counted)
+    plain = client.completions.create(best_of=4, **ask)
+    assert plain.choices[0].text == ranked[0].text and plain.choices[0].logprobs is None

@@ -8,9 +8,11 @@ the client can see; a client that goes away aborts its request on the worker.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -34,6 +36,7 @@ from steadfast.control.http.chat import (
     served_priority,
     tokenized,
 )
+from steadfast.control.http.choices import choice_id, fan_out
 from steadfast.control.http.dashboard import Dashboard
 from steadfast.control.http.errors import (
     APIError,
@@ -46,7 +49,8 @@ from steadfast.control.http.guard import Guard, GuardConfig
 from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.responses import add_responses_routes
-from steadfast.control.http.serving import ServingContext, admit, check_model, check_model_name
+from steadfast.control.http.resume_token import MAX_CHOICES
+from steadfast.control.http.serving import Prepared, ServingContext, admit, check_model, check_model_name
 from steadfast.control.http.streams import Choices, respond, stream_chat, stream_completion
 from steadfast.control.http.tags import request_tag
 from steadfast.control.http.tokenize import add_tokenize_routes
@@ -278,43 +282,57 @@ def create_app(
     async def completions(body: CompletionRequest, http: Request) -> Response:
         ignored = check_model(ctx, body)
         body.priority = served_priority(body.priority, http)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(
-                    "Only one prompt per request is supported.", param="prompt", code="unsupported_parameter"
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError("'prompt' must not be empty.", param="prompt")
-            check_chars(ctx, body, len(prompt), "prompt")
-            ids = await tokenized(ctx, "prompt", ctx.tokenizer.encode, prompt)
-        else:
-            ids = list(prompt)
-            if not ids:
-                raise APIError("'prompt' must not be empty.", param="prompt")
-            if any(t < 0 or t >= ctx.tokenizer.vocab_size for t in ids):
-                raise APIError(f"Token ids in 'prompt' must be in [0, {ctx.tokenizer.vocab_size}).", param="prompt")
-            check_chars(ctx, body, 0, "prompt")  # (no text: the stop strings alone)
+        prompts = prompt_list(body.prompt)
+        runs = max(body.best_of or 1, body.n)  # runs per prompt: its choices, or best_of to pick them from
+        if len(prompts) * runs > MAX_CHOICES:
+            raise APIError(
+                f"{len(prompts)} prompts of {runs} runs each are over {MAX_CHOICES} in one request.", param="prompt"
+            )
+        if runs > body.n and body.stream:
+            raise APIError("best_of above n cannot be streamed (the best are known at the end).", param="best_of")
+        check_chars(ctx, body, sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        ids_of = [await prompt_ids(ctx, p) for p in prompts]
         ensure_ready(ctx)
         ctx.check_pending()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        resumed = resuming(body, http)
+        admitted: list[Prepared] = []
+        try:
+            for k, ids in enumerate(ids_of):
 
-        async def cut(cap: int) -> tuple[list[int], int]:
-            return cut_prompt(ids, cap, ctx.tokenizer.info.bos_token_id), 0
+                async def cut(cap: int, ids: list[int] = ids) -> tuple[list[int], int]:
+                    return cut_prompt(ids, cap, ctx.tokenizer.info.bos_token_id), 0
 
-        prepared = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut, resuming(body, http))
-        # `echo`: each choice's text opens with the prompt (as given, or its token ids' text).
-        echo = "" if not body.echo else prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
+                one = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut, resumed, choice_id(rid, k * runs))
+                admitted.append(one)
+        except BaseException:
+            if ctx.degradation is not None and not resumed:
+                for one in admitted:  # (each counted as queued by the ladder until it ends)
+                    ctx.degradation.ended(one.request_id)
+            raise
+        fanned: list[Prepared] = []
+        for k, one in enumerate(admitted):
+            one.resume_token, one.choice = admitted[0].resume_token, k * runs  # (one request: choice 0's ids)
+            if runs > body.n and one.add.params.logprobs < 0:  # (best_of ranks by likelihood)
+                one.add = msgspec.structs.replace(one.add, params=msgspec.structs.replace(one.add.params, logprobs=0))
+            fanned += fan_out(one, runs, rid, k * runs)
+        # `echo`: each choice's text opens with its prompt (as given, or its token ids' text).
+        echoes = [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts] if body.echo else []
+
+        def echo(index: int) -> str:
+            return echoes[index // body.n] if echoes else ""  # (best_of's kept choices: n per prompt too)
 
         def choice(index: int, text: str, entries: list[Entry] | None, reason: str | None) -> dict[str, Any]:
             lp = None if entries is None else completion_logprobs(ctx.names, entries, 0)
-            return {"index": index, "text": echo + text, "logprobs": lp, "finish_reason": reason}
+            return {"index": index, "text": echo(index) + text, "logprobs": lp, "finish_reason": reason}
 
         def streamer(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
-            return stream_completion(ctx, served, echo)
+            return stream_completion(ctx, served, echo if echoes else None)
 
-        return await respond(ctx, prepared, body, http, streamer, "text_completion", choice, ignored)
+        best_of = runs if runs > body.n else 0
+        return await respond(
+            ctx, admitted[0], body, http, streamer, "text_completion", choice, ignored, fanned, best_of
+        )
 
     @app.post("/v1/chat/completions", responses=ANSWERS)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
@@ -339,3 +357,25 @@ def create_app(
     add_responses_routes(app, ctx)
 
     return app
+
+
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completion: a text, texts, token ids, or lists of token ids; each non-empty."""
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    if not prompts or any(not p for p in prompts):
+        raise APIError("'prompt' must not be empty (nor any prompt in it).", param="prompt")
+    return prompts
+
+
+async def prompt_ids(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return await tokenized(ctx, "prompt", ctx.tokenizer.encode, prompt)
+    vocab = ctx.tokenizer.vocab_size
+    if any(t >= vocab for t in prompt):
+        raise APIError(f"Token ids in 'prompt' must be in [0, {vocab}).", param="prompt")
+    return prompt

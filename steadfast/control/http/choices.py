@@ -23,18 +23,21 @@ def choice_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}-{index}"
 
 
-def fan_out(prepared: Prepared, n: int) -> list[Prepared]:
-    """The `n` choices of an admitted request (n = 1: itself)."""
+def fan_out(prepared: Prepared, n: int, base: str = "", first: int = 0) -> list[Prepared]:
+    """The `n` choices of an admitted prompt (n = 1: itself), numbered from `first` among the request's
+    choices (a list of prompts: prompt p's are p * n on), ids made from `base` (the request's id; by
+    default `prepared`'s)."""
     choices = [prepared]
     params = prepared.add.params
+    base = base or prepared.request_id
     for i in range(1, n):
         add = AddRequest(
-            choice_id(prepared.request_id, i),
+            choice_id(base, first + i),
             prepared.add.prompt_ids,
             msgspec.structs.replace(params, seed=(params.seed + i) & _SEED_MASK),
             prepared.add.priority,
         )
-        choices.append(dataclasses.replace(prepared, request_id=add.request_id, add=add, choice=i))
+        choices.append(dataclasses.replace(prepared, request_id=add.request_id, add=add, choice=first + i))
     return choices
 
 
@@ -42,26 +45,30 @@ async def merged(
     gens: Sequence[Generation], quiet_s: float | None, shared_prefill: bool = True
 ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
     """The outputs of every generation as they come, each with its position in `gens`; a None each time
-    `quiet_s` passes with none. With `shared_prefill`, the others start once the first has its first
-    output (its prompt then in the prefix cache). Leaving the iteration stops every generation."""
+    `quiet_s` passes with none. With `shared_prefill`, a choice starts once the first choice of its
+    prompt has its first output (the prompt then in the prefix cache). Leaving the iteration stops every
+    generation."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-    first_out = asyncio.Event()
+    leaders: dict[int, int] = {}  # (a prompt's choices share its list of ids: fan_out)
+    leader = [leaders.setdefault(id(g.p.add.prompt_ids), i) for i, g in enumerate(gens)]
+    first_out = [asyncio.Event() for _ in gens]
 
     async def run(i: int, gen: Generation) -> None:
+        started = first_out[i]
         try:
-            if i and shared_prefill:
-                await first_out.wait()
+            if leader[i] != i and shared_prefill:
+                await first_out[leader[i]].wait()
             async for out in gen.outputs():
                 if out is not None:
-                    first_out.set()
+                    started.set()
                     queue.put_nowait((i, out))
         except BaseException as exc:  # (its consumer raises it: one choice's failure is the request's)
-            first_out.set()
+            started.set()
             queue.put_nowait((i, exc))
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
-            first_out.set()
+            started.set()
         finally:
             queue.put_nowait((i, None))
 

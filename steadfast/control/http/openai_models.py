@@ -142,8 +142,16 @@ class _Sampling(_Open):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
+MAX_PROMPTS = 64  # (each with its choices: resume_token.MAX_CHOICES in all)
+
+
 class CompletionRequest(_Sampling):
-    prompt: Text | list[Text] | list[TokenId]
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(max_length=MAX_PROMPTS)]
+        | list[TokenId]
+        | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)]
+    )
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
@@ -158,8 +166,8 @@ class CompletionRequest(_Sampling):
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo and self.logprobs is not None:
             return "echo", "echo with logprobs (the prompt's logprobs) is not supported"
-        if self.best_of not in (None, 1, self.n):
-            return "best_of", "best_of other than n (every choice returned) is not supported"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", "best_of must be at least n"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()

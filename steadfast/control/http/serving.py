@@ -122,11 +122,12 @@ async def admit(
     prefix: str,
     cut: Cutter,
     resuming: bool = False,
+    request_id: str = "",
 ) -> Prepared:
     """A new request through the degradation ladder (refused with 429/503, or shortened at L4), then
     prepared. The ladder counts it as queued from here until its first token or its end. A client
     resuming its stream (`resuming`: Last-Event-ID) continues a request accepted before: never refused."""
-    rid = f"{prefix}-{uuid.uuid4().hex}"
+    rid = request_id or f"{prefix}-{uuid.uuid4().hex}"
     grammar = await ctx.grammars.of(body, ctx.off_loop)
     prepared = prepare(ctx, body, prompt_ids, max_tokens, rid, grammar)  # bad input: a 400 before the ladder
     ladder = ctx.degradation

@@ -65,6 +65,7 @@ class Choices:
     n: int
     gens: list[Generation]
     ended: dict[int, Held] = field(default_factory=dict)
+    prompt_tokens: int = 0  # every prompt's, each once (a list of prompts: each its own)
 
     def __post_init__(self) -> None:
         # What the client holds of each choice, counted as outputs are sent (the generations run ahead).
@@ -134,17 +135,24 @@ async def respond(
     obj: str,
     choice: Callable[[int, str, list[Entry] | None, str | None], dict[str, Any]],
     ignored: Sequence[str] = (),
+    fanned: Sequence[Prepared] = (),
+    best_of: int = 0,
 ) -> Response:
-    """Run an admitted request (each of its `n` choices): an SSE stream, or one JSON body once it is
-    done. A stream request carrying `Last-Event-ID` continues the request that event belongs to instead
-    of starting anew. `ignored`: its fields nobody documents, named in a response header."""
+    """Run an admitted request (each of its choices: `fanned`, else its `n` of `prepared`): an SSE
+    stream, or one JSON body once it is done. A stream request carrying `Last-Event-ID` continues the
+    request that event belongs to instead of starting anew. `ignored`: its fields nobody documents, named
+    in a response header. `best_of` (not streamed): each run of that many choices answered by its `n` of
+    highest likelihood."""
     stream = body.stream
+    fanned = list(fanned) or fan_out(prepared, body.n)
+    prompt_tokens = sum(len(c.prompt_ids) for c in fanned if c.choice % (best_of or body.n) == 0)
     last_event = http.headers.get("last-event-id")
     if last_event and stream:
-        served = reconnect(ctx, prepared, body.n, last_event, body_digest(body))
+        served = reconnect(ctx, prepared, len(fanned), last_event, body_digest(body))
     else:
-        gens = [Generation(ctx, c) for c in fan_out(prepared, body.n)]
-        served = Choices(prepared.request_id, prepared.resume_token, body.n, gens)
+        gens = [Generation(ctx, c) for c in fanned]
+        served = Choices(prepared.request_id, prepared.resume_token, len(fanned), gens)
+    served.prompt_tokens = prompt_tokens
     headers = ctx.ignored.header(ignored)
     if prepared.notice is not None:
         headers[DEGRADATION_HEADER] = prepared.notice.header()
@@ -153,10 +161,13 @@ async def respond(
     results = await collect(served.gens, http)
     if results is None:
         return Response(status_code=499)  # the client left; its requests were aborted
-    asked = prepared.add.params.logprobs >= 0
+    asked = body.logprob_count >= 0
+    rows = list(zip(served.gens, results, strict=True))
+    if best_of:
+        rows = best(rows, best_of, body.n)
     choices = []
-    for g, (text, ids, entries) in zip(served.gens, results, strict=True):
-        one = choice(g.p.choice, text, entries if asked else None, g.finish_reason)
+    for index, (g, (text, ids, entries)) in enumerate(rows):
+        one = choice(index if best_of else g.p.choice, text, entries if asked else None, g.finish_reason)
         if prepared.return_token_ids:
             one["token_ids"] = ids
         choices.append(one)
@@ -167,9 +178,22 @@ async def respond(
         "created": int(time.time()),
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage(len(prepared.prompt_ids), served.completion_tokens, cached),
+        "usage": usage(prompt_tokens, served.completion_tokens, cached),
     }
     return JSONResponse(answer, headers=headers)
+
+
+Row = tuple[Generation, tuple[str, list[int], list[Entry]]]
+
+
+def best(rows: list[Row], best_of: int, n: int) -> list[Row]:
+    """Of each prompt's `best_of` runs, its `n` of highest total logprob (OpenAI's `best_of`), in that order."""
+    kept: list[Row] = []
+    for first in range(0, len(rows), best_of):
+        runs = rows[first : first + best_of]
+        runs.sort(key=lambda r: -sum(lp.logprob for _, lp in r[1][2]))  # (stable: ties keep their order)
+        kept += runs[:n]
+    return kept
 
 
 def reconnect(ctx: ServingContext, prepared: Prepared, n: int, last_event: str, digest: bytes) -> Choices:
@@ -232,7 +256,7 @@ def reconnect(ctx: ServingContext, prepared: Prepared, n: int, last_event: str, 
 
 
 async def stream(
-    ctx: ServingContext, served: Choices, obj: str, make_choice: Any, first: dict | None
+    ctx: ServingContext, served: Choices, obj: str, make_choice: Any, first: Callable[[int], dict] | None
 ) -> AsyncIterator[bytes]:
     """The SSE events of a response's choices as they come, interleaved, each chunk one choice's."""
     gens = served.gens
@@ -262,7 +286,7 @@ async def stream(
     try:
         if first is not None and not resumed:
             for g in gens:
-                yield chunk([{"index": g.p.choice, **first, "logprobs": None, "finish_reason": None}])
+                yield chunk([{"index": g.p.choice, **first(g.p.choice), "logprobs": None, "finish_reason": None}])
         async for item in outputs:
             if item is None:  # nothing for keepalive_s
                 yield KEEP_ALIVE
@@ -287,7 +311,7 @@ async def stream(
                 yield chunk([choice], served.event_id(ctx.signer))
         if base is not None and base.include_usage:
             cached = gens[0].cached_tokens
-            yield chunk([], usage=usage(len(base.prompt_ids), served.completion_tokens, cached))
+            yield chunk([], usage=usage(served.prompt_tokens, served.completion_tokens, cached))
         yield sse("[DONE]")
     except EngineDeadError as exc:
         yield sse(APIError(str(exc), 503, type_="service_unavailable").body())
@@ -295,8 +319,10 @@ async def stream(
         await outputs.aclose()
 
 
-def stream_completion(ctx: ServingContext, served: Choices, echo: str = "") -> AsyncIterator[bytes]:
-    """`echo`: the prompt's text, each choice's first chunk (not counted in its resume points: a resumed
+def stream_completion(
+    ctx: ServingContext, served: Choices, echo: Callable[[int], str] | None = None
+) -> AsyncIterator[bytes]:
+    """`echo`: each choice's prompt text, its first chunk (not counted in its resume points: a resumed
     stream does not send it again)."""
 
     def choice(
@@ -305,7 +331,8 @@ def stream_completion(ctx: ServingContext, served: Choices, echo: str = "") -> A
         lp = None if entries is None else completion_logprobs(ctx.names, entries, offset)
         return {"index": gen.p.choice, "text": text, "logprobs": lp, "finish_reason": reason}
 
-    return stream(ctx, served, "text_completion", choice, {"text": echo} if echo else None)
+    first = None if echo is None else lambda i: {"text": echo(i)}
+    return stream(ctx, served, "text_completion", choice, first)
 
 
 def stream_chat(
@@ -344,4 +371,6 @@ def stream_chat(
             delta["tool_calls"] = calls
         return {"index": gen.p.choice, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
-    return stream(ctx, served, "chat.completion.chunk", choice, {"delta": {"role": "assistant", "content": ""}})
+    return stream(
+        ctx, served, "chat.completion.chunk", choice, lambda _: {"delta": {"role": "assistant", "content": ""}}
+    )
