@@ -15,10 +15,10 @@ def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
     execute = engine.runner.execute
 
     def recording(step, *rest):  # noqa: ANN001, ANN002, ANN202 - the runner's own arguments
-        logits, samplers = execute(step, *rest)
-        for row, request in zip(logits, samplers, strict=True):
+        logits, samplers, scorers = execute(step, *rest)
+        for row, request in zip(logits, samplers, strict=False):  # (the prompt rows that score come after)
             rows.setdefault(request.request_id, []).append(row.float().clone())
-        return logits, samplers
+        return logits, samplers, scorers
 
     engine.runner.execute = recording
     return rows

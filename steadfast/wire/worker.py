@@ -85,6 +85,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int = -1  # -1: none; else each token's logprob and this many likeliest alternatives (≤ 20)
     grammar: str = ""  # structured outputs: llguidance's grammar (model/grammar.py) every token must follow
+    # -1: none; else each prompt token's logprob (the first's excepted) and this many alternatives, sent
+    # with the first output (OpenAI's `echo` with `logprobs`)
+    prompt_logprobs: int = -1
 
     @property
     def greedy(self) -> bool:
@@ -246,6 +249,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # router retries the request once on another worker instead of failing it.
     retryable: bool = False
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, where the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # (first output) the prompt's tokens after its first
 
 
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):

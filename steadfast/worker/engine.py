@@ -38,7 +38,7 @@ from steadfast.worker.core.grammar import Constraints
 from steadfast.worker.core.isolation import NonFiniteLogitsError, find_culprits, without
 from steadfast.worker.core.request import Request, Status
 from steadfast.worker.core.runner import ModelRunner
-from steadfast.worker.core.sampler import Sampled, sample_rows
+from steadfast.worker.core.sampler import Sampled, keep_scores, sample_rows
 from steadfast.worker.core.scheduler import ScheduledStep, Scheduler
 from steadfast.worker.core.speculation import Speculator
 from steadfast.worker.core.step_cost import StepCost
@@ -299,6 +299,7 @@ class Engine:
             scheduled, sampled = isolated
         new = self.spec.accept(scheduled.verifies, sampled.rows, sampled.tokens)
         prompt_done = self._advance(scheduled, new)
+        keep_scores(sampled.scores)
         for request, produced in new:
             for k, token in enumerate(produced):
                 outputs.append(self._append(request, token, sampled.logprob(request.request_id, k)))
@@ -324,18 +325,18 @@ class Engine:
     def _compute(self, scheduled: ScheduledStep, hook: Callable[[int], None] | None) -> Sampled:
         """The forward pass and the sampling of one step: nothing but the step's KV slots changes."""
         masks = self.constraints.start([*scheduled.decodes, *(r for r, _ in scheduled.prefills)])
-        logits, samplers = self.runner.execute(scheduled, hook)  # (the masks are computed meanwhile)
+        logits, samplers, scorers = self.runner.execute(scheduled, hook)  # (the masks are computed meanwhile)
         if self.nonfinite_failpoint and broken(self.nonfinite_failpoint):
             logits = torch.full_like(logits, float("nan"))
         # A row of NaN or inf (corrupt weights or KV, a numerics fault) would sample garbage: its request
         # fails here instead, and the router retries it elsewhere (the health check's request layer).
         finite = torch.isfinite(logits).all(dim=1)
         if not bool(finite.all()):
-            bad = {samplers[i].request_id for i in (~finite).nonzero().flatten().tolist()}
-            raise NonFiniteLogitsError(bad)
+            rows = [*samplers, *(r for r, _ in scorers)]
+            raise NonFiniteLogitsError({rows[i].request_id for i in (~finite).nonzero().flatten().tolist()})
         drafts = {r.request_id: d for r, d in scheduled.verifies}
         eos = self.tokenizer.info.eos_token_ids
-        return sample_rows(logits, samplers, drafts, eos, None if masks is None else masks.result())
+        return sample_rows(logits, samplers, drafts, eos, None if masks is None else masks.result(), scorers)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The scheduler's drafter: at most what the budget, `max_tokens` and the context leave; none
@@ -427,6 +428,7 @@ class Engine:
             num_cached_tokens=request.num_cached,
             index=len(request.output_ids) - 1,
             logprobs=None if logprob is None else [logprob],
+            prompt_logprobs=request.first_scores(),
         )
         if request.recovery is not None:  # the first token after a takeover reports what it cost
             report_recovery(request, out, self._step_start)
@@ -442,9 +444,7 @@ class Engine:
         for r in requests:
             self.add_request(r)
         results: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
-        t0 = time.perf_counter()
         while self.has_work:
             for out in self.step():
                 results[out.request_id].append(out)
-        log.debug("generate: %d steps in %.2fs", self.steps, time.perf_counter() - t0)
         return results

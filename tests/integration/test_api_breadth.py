@@ -322,8 +322,34 @@ def test_echo_opens_each_choice_with_the_prompt(server, client, model):
     chunks = list(client.completions.create(prompt="The capital of France is", echo=True, stream=True, **ask))
     assert chunks[0].choices[0].text == "The capital of France is"
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
-    r = httpx.post(server.url + "/v1/completions", json={**ask, "prompt": "x", "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_eval_harnesses_ask(server, client, model):
+    """`echo` + `logprobs` (+ `max_tokens` 0: the prompt alone), as lm-eval's loglikelihood requests send
+    it: each prompt token's logprob after the first, the tokens spelling the text; streamed the same."""
+    ask = {"model": model, "temperature": 0, "logprobs": 2, "echo": True}
+    prompts = ["The capital of France is Paris", "Two plus two is four"]
+    ids = [httpx.post(server.url + "/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+    scored = client.completions.create(prompt=prompts, max_tokens=0, **ask)
+    assert scored.usage.completion_tokens == 0
+    for c, p, i in zip(scored.choices, prompts, ids, strict=True):
+        lp = c.logprobs
+        assert c.text == p and "".join(lp.tokens) == p and c.finish_reason == "length"
+        assert len(lp.token_logprobs) == len(i) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x < 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    # With a completion: the prompt's part the same, the completion's after it; every choice has both.
+    more = client.completions.create(prompt=prompts[0], max_tokens=4, n=2, **ask)
+    n_prompt = len(ids[0])
+    for c in more.choices:
+        assert c.logprobs.token_logprobs[:n_prompt] == scored.choices[0].logprobs.token_logprobs
+        assert len(c.logprobs.tokens) == n_prompt + 4 and "".join(c.logprobs.tokens) == c.text
+    chunks = list(client.completions.create(prompt=prompts[0], max_tokens=4, stream=True, **ask))
+    streamed = [x for ch in chunks for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == more.choices[0].logprobs.token_logprobs
+    assert "".join(ch.choices[0].text for ch in chunks) == more.choices[0].text
+    r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 WEATHER = {

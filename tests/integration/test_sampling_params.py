@@ -117,6 +117,30 @@ def test_logprobs_are_the_models_raw_log_softmax(fp32_config, fp32_model, make_e
         assert abs(sum(lp.logprob for lp in got) - likelihood) < 1e-3
 
 
+def test_prompt_logprobs_are_the_models_over_the_prompt(fp32_config, fp32_model, make_engine, hf_model):
+    """`echo` with `logprobs` (prompt_logprobs): each prompt token after the first, scored by the row before
+    it, equals transformers' log-softmax there, top 3 too; computed in chunks of 7 beside another request,
+    and with the prompt already in the prefix cache (whose KV carries no logits: it is computed again)."""
+    tok = fp32_model.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
+    engine = make_engine(
+        fp32_config.replace(scheduler={"max_num_batched_tokens": 24, "max_prefill_chunk": 7}), fp32_model
+    )
+    engine_run(engine, prompts, SamplingParams(2, 0.0))  # (both prompts now cached)
+    scored = engine_outputs(engine, prompts, SamplingParams(2, 0.0, prompt_logprobs=3))
+    for ids, outs in zip(prompts, scored, strict=True):
+        got = outs[0].prompt_logprobs
+        assert got is not None and len(got) == len(ids) - 1 and outs[1].prompt_logprobs is None
+        assert outs[0].num_cached_tokens == 0
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+        for pos, lp in enumerate(got):
+            assert abs(lp.logprob - float(ref[pos, ids[pos + 1]])) < FP32_NOISE, pos
+            assert lp.top_ids == ref[pos].topk(3).indices.tolist(), pos
+        likelihood = float(ref.gather(1, torch.tensor([ids[1:]]).T).sum())
+        assert abs(sum(lp.logprob for lp in got) - likelihood) < 1e-3
+
+
 def test_speculation_changes_no_adjusted_token_nor_logprob(fp32_config, fp32_model, make_engine):
     """A verifying row's penalties count the drafts before it as output, and its logprobs are its own
     position's: on and off agree (tokens exactly; logprobs within fp32's noise, the verify rows being

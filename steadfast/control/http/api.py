@@ -46,7 +46,7 @@ from steadfast.control.http.errors import (
     validation_error_handler,
 )
 from steadfast.control.http.guard import Guard, GuardConfig
-from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs
+from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.responses import add_responses_routes
 from steadfast.control.http.resume_token import MAX_CHOICES
@@ -303,7 +303,7 @@ def create_app(
                 async def cut(cap: int, ids: list[int] = ids) -> tuple[list[int], int]:
                     return cut_prompt(ids, cap, ctx.tokenizer.info.bos_token_id), 0
 
-                one = await admit(ctx, body, ids, body.max_tokens, "cmpl", cut, resumed, choice_id(rid, k * runs))
+                one = await admit(ctx, body, ids, body.generated, "cmpl", cut, resumed, choice_id(rid, k * runs))
                 admitted.append(one)
         except BaseException:
             if ctx.degradation is not None and not resumed:
@@ -316,22 +316,34 @@ def create_app(
             if runs > body.n and one.add.params.logprobs < 0:  # (best_of ranks by likelihood)
                 one.add = msgspec.structs.replace(one.add, params=msgspec.structs.replace(one.add.params, logprobs=0))
             fanned += fan_out(one, runs, rid, k * runs)
-        # `echo`: each choice's text opens with its prompt (as given, or its token ids' text).
+        # `echo`: each choice's text opens with its prompt (as given, or its token ids' text), and with
+        # `logprobs` its logprobs with the prompt's (scored by each prompt's first choice).
         echoes = [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts] if body.echo else []
+        zero = body.max_tokens == 0  # (the prompt alone: the token sampled after it is dropped)
 
         def echo(index: int) -> str:
             return echoes[index // body.n] if echoes else ""  # (best_of's kept choices: n per prompt too)
 
+        def prompt_part(index: int) -> dict[str, Any] | None:
+            k = index // body.n
+            scores = admitted[k].prompt_logprobs
+            return None if scores is None else prompt_logprobs(ctx.names, ids_of[k], scores)
+
         def choice(index: int, text: str, entries: list[Entry] | None, reason: str | None) -> dict[str, Any]:
-            lp = None if entries is None else completion_logprobs(ctx.names, entries, 0)
+            if zero:
+                text, entries = "", None if entries is None else []
+            lp = None if entries is None else completion_logprobs(ctx.names, entries, len(echo(index)))
+            first = prompt_part(index) if lp is not None and echoes else None
+            lp = joined(first, lp) if first is not None and lp is not None else lp
             return {"index": index, "text": echo(index) + text, "logprobs": lp, "finish_reason": reason}
 
         def streamer(ctx: ServingContext, served: Choices) -> AsyncIterator[bytes]:
-            return stream_completion(ctx, served, echo if echoes else None)
+            return stream_completion(ctx, served, echo if echoes else None, prompt_part, zero)
 
         best_of = runs if runs > body.n else 0
+        first = admitted[0]
         return await respond(
-            ctx, admitted[0], body, http, streamer, "text_completion", choice, ignored, fanned, best_of
+            ctx, first, body, http, streamer, "text_completion", choice, ignored, fanned, best_of, echo_only=zero
         )
 
     @app.post("/v1/chat/completions", responses=ANSWERS)

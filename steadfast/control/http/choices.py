@@ -34,7 +34,8 @@ def fan_out(prepared: Prepared, n: int, base: str = "", first: int = 0) -> list[
         add = AddRequest(
             choice_id(base, first + i),
             prepared.add.prompt_ids,
-            msgspec.structs.replace(params, seed=(params.seed + i) & _SEED_MASK),
+            # (the prompt's logprobs: its first choice's, the same for all)
+            msgspec.structs.replace(params, seed=(params.seed + i) & _SEED_MASK, prompt_logprobs=-1),
             prepared.add.priority,
         )
         choices.append(dataclasses.replace(prepared, request_id=add.request_id, add=add, choice=first + i))

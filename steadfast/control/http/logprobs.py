@@ -57,3 +57,21 @@ def completion_logprobs(names: TokenNames, entries: Sequence[Entry], offset: int
         ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(names: TokenNames, prompt_ids: Sequence[int], scores: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """An echoed prompt's part of legacy completions' logprobs: its first token has none (nothing before
+    it), each other token the logprobs the worker scored it with."""
+    part = completion_logprobs(names, list(zip(prompt_ids[1:], scores, strict=True)), 0)
+    first = names.of(prompt_ids[0])[0]
+    return {
+        "tokens": [first, *part["tokens"]],
+        "token_logprobs": [None, *part["token_logprobs"]],
+        "top_logprobs": [None, *part["top_logprobs"]],
+        "text_offset": [0, *(o + len(first) for o in part["text_offset"])],
+    }
+
+
+def joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two parts of legacy completions' logprobs, one after the other."""
+    return {key: first[key] + then[key] for key in first}

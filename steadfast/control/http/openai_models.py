@@ -152,7 +152,8 @@ class CompletionRequest(_Sampling):
         | list[TokenId]
         | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)]
     )
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = 16
+    # 0: with `echo`, the prompt alone (scored, with `logprobs`: what evaluation harnesses ask)
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = 16
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
@@ -163,9 +164,19 @@ class CompletionRequest(_Sampling):
         """The worker's `logprobs`: -1 none, else the alternatives per token (0: the chosen token's alone)."""
         return -1 if self.logprobs is None else self.logprobs
 
+    @property
+    def prompt_logprob_count(self) -> int:
+        """The worker's `prompt_logprobs`: the prompt's logprobs go with its echo where logprobs are asked."""
+        return self.logprob_count if self.echo else -1
+
+    @property
+    def generated(self) -> int | None:
+        """The tokens a choice generates: `max_tokens`, one where it is 0 (a prefill samples one: dropped)."""
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs (the prompt's logprobs) is not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 (the prompt alone) needs echo"
         if self.best_of is not None and self.best_of < self.n:
             return "best_of", "best_of must be at least n"
         if self.suffix:
@@ -250,6 +261,10 @@ class ChatCompletionRequest(_Sampling):
     def logprob_count(self) -> int:
         """The worker's `logprobs`: -1 none, else the alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else -1
+
+    @property
+    def prompt_logprob_count(self) -> int:
+        return -1  # (a chat never echoes its prompt)
 
     @property
     def token_limit(self) -> int | None:

@@ -26,7 +26,7 @@ from steadfast.control.http.structured import Grammars
 from steadfast.control.ladder.degrade import Degradation
 from steadfast.control.ladder.plan import Notice, Plan, Refusal
 from steadfast.model.tokenizer import GGUFTokenizer
-from steadfast.wire.worker import PRIORITIES, AddRequest, Priority, RequestOutput, SamplingParams
+from steadfast.wire.worker import PRIORITIES, AddRequest, Priority, RequestOutput, SamplingParams, TokenLogprob
 
 # Below this a temperature divides logits into overflow: it is greedy (as vLLM's sampling epsilon).
 GREEDY_BELOW = 1e-5
@@ -108,6 +108,7 @@ class Prepared:
     notice: Notice | None = None  # shortened by the degradation ladder: what the client is told
     resuming: Known | None = None  # a reconnect: what the router knew of the request when it asked
     choice: int = 0  # which of the request's `n` choices (choices.py)
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, from its first output, where asked
 
 
 # Shortens a prompt to a token cap: its ids and how many chat messages were dropped (truncate.py).
@@ -241,6 +242,7 @@ def prepare(
         logit_bias=bias,
         logprobs=body.logprob_count,
         grammar=grammar,
+        prompt_logprobs=body.prompt_logprob_count,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])
@@ -318,6 +320,8 @@ class Generation:
                     self.text_chars += len(out.text)
                     self.cached_tokens = out.num_cached_tokens
                     m.tokens(len(out.token_ids))
+                if out.prompt_logprobs is not None:
+                    self.p.prompt_logprobs = out.prompt_logprobs
                 if out.finish_reason is not None:
                     self.finish_reason = out.finish_reason
                     if ladder is not None and self.first_at and self.completion_tokens > self.p.have_tokens + 1:

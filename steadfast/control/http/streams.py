@@ -20,7 +20,7 @@ from steadfast.control.fleet.client import EngineDeadError
 from steadfast.control.fleet.resume import Resumption, UnknownRequestError
 from steadfast.control.http.choices import choice_id, fan_out, merged
 from steadfast.control.http.errors import APIError
-from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs
+from steadfast.control.http.logprobs import Entry, chat_logprobs, completion_logprobs, joined
 from steadfast.control.http.openai_models import ChatCompletionRequest, CompletionRequest
 from steadfast.control.http.resume_token import Held, ResumeSigner, body_digest, parse_event_id
 from steadfast.control.http.serving import Generation, Prepared, ServingContext, error_output
@@ -66,6 +66,7 @@ class Choices:
     gens: list[Generation]
     ended: dict[int, Held] = field(default_factory=dict)
     prompt_tokens: int = 0  # every prompt's, each once (a list of prompts: each its own)
+    echo_only: bool = False  # max_tokens 0: the token each choice sampled is dropped, not counted
 
     def __post_init__(self) -> None:
         # What the client holds of each choice, counted as outputs are sent (the generations run ahead).
@@ -88,6 +89,8 @@ class Choices:
 
     @property
     def completion_tokens(self) -> int:
+        if self.echo_only:
+            return 0
         done = {g.p.choice: g.completion_tokens for g in self.gens}
         return sum(done.get(i, h.tokens) for i, h in enumerate(self.sent))
 
@@ -137,6 +140,7 @@ async def respond(
     ignored: Sequence[str] = (),
     fanned: Sequence[Prepared] = (),
     best_of: int = 0,
+    echo_only: bool = False,
 ) -> Response:
     """Run an admitted request (each of its choices: `fanned`, else its `n` of `prepared`): an SSE
     stream, or one JSON body once it is done. A stream request carrying `Last-Event-ID` continues the
@@ -152,7 +156,7 @@ async def respond(
     else:
         gens = [Generation(ctx, c) for c in fanned]
         served = Choices(prepared.request_id, prepared.resume_token, len(fanned), gens)
-    served.prompt_tokens = prompt_tokens
+    served.prompt_tokens, served.echo_only = prompt_tokens, echo_only
     headers = ctx.ignored.header(ignored)
     if prepared.notice is not None:
         headers[DEGRADATION_HEADER] = prepared.notice.header()
@@ -320,18 +324,34 @@ async def stream(
 
 
 def stream_completion(
-    ctx: ServingContext, served: Choices, echo: Callable[[int], str] | None = None
+    ctx: ServingContext,
+    served: Choices,
+    echo: Callable[[int], str] | None = None,
+    prompt_part: Callable[[int], dict[str, Any] | None] = lambda _: None,
+    echo_only: bool = False,
 ) -> AsyncIterator[bytes]:
     """`echo`: each choice's prompt text, its first chunk (not counted in its resume points: a resumed
-    stream does not send it again)."""
+    stream does not send it again); with logprobs, it waits for the first output, which brings the
+    prompt's (`prompt_part`). `echo_only`: max_tokens 0, the token each choice sampled dropped."""
+    scored = echo is not None and any(g.p.add.params.logprobs >= 0 for g in served.gens)
+    echoed: set[int] = set()
 
     def choice(
         gen: Generation, text: str, offset: int, reason: str | None, entries: list[Entry] | None
     ) -> dict[str, Any]:
-        lp = None if entries is None else completion_logprobs(ctx.names, entries, offset)
-        return {"index": gen.p.choice, "text": text, "logprobs": lp, "finish_reason": reason}
+        index = gen.p.choice
+        shown = echo(index) if echo is not None else ""
+        if echo_only:
+            text, entries = "", None if entries is None else []
+        lp = None if entries is None else completion_logprobs(ctx.names, entries, offset + len(shown))
+        if scored and index not in echoed and not gen.p.have_tokens:
+            echoed.add(index)
+            first = prompt_part(index)
+            lp = joined(first, lp) if first is not None and lp is not None else lp
+            text = shown + text
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
 
-    first = None if echo is None else lambda i: {"text": echo(i)}
+    first = None if echo is None or scored else lambda i: {"text": echo(i)}
     return stream(ctx, served, "text_completion", choice, first)
 
 

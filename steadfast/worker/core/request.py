@@ -6,7 +6,7 @@ import enum
 import itertools
 from typing import Any
 
-from steadfast.wire.worker import FinishReason, Route, SamplingParams
+from steadfast.wire.worker import FinishReason, Route, SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
 
@@ -39,6 +39,15 @@ class Request:
         self.kv_paths: list[str] = []  # ...on another node, streamed to these addresses
         self.kv_given: list[tuple[int, int]] = []  # (start, count) spans given to the KV sender
         self.matcher: Any = None  # its grammar's state (an llguidance matcher; grammar.py) where it has one
+        self.prompt_scores: list[TokenLogprob] = []  # prompt token i + 1's logprobs at i (prompt_logprobs)
+
+    def first_scores(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs, on the first output of a request that asked for them."""
+        return self.prompt_scores if self.params.prompt_logprobs >= 0 and len(self.output_ids) == 1 else None
+
+    def scores(self, pos: int) -> bool:
+        """Whether the row of prompt position `pos` gives a prompt logprob not yet known."""
+        return self.params.prompt_logprobs >= 0 and len(self.prompt_scores) <= pos < len(self.prompt_ids) - 1
 
     @property
     def all_ids(self) -> list[int]:

@@ -31,14 +31,22 @@ class FlatBatch:
     slots: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     samplers: list[Request] = field(default_factory=list)
+    score_rows: list[int] = field(default_factory=list)  # prompt rows whose logits score the next prompt token
+    scorers: list[tuple[Request, int]] = field(default_factory=list)  # (for whom, at which position)
 
-    def add(self, token: int, pos: int, table: list[int], sampled_for: Request | None) -> None:
+    def add(
+        self, token: int, pos: int, table: list[int], sampled_for: Request | None, prompt: Request | None = None
+    ) -> None:
+        """`prompt`: a prompt token's row, its logits kept where that request scores its prompt."""
         self.tokens.append(token)
         self.positions.append(pos)
         self.slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
         if sampled_for is not None:
             self.sample_rows.append(len(self.tokens) - 1)
             self.samplers.append(sampled_for)
+        elif prompt is not None and prompt.scores(pos):
+            self.score_rows.append(len(self.tokens) - 1)
+            self.scorers.append((prompt, pos))
 
 
 def split_by_width(widths: list[int], max_groups: int, group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
@@ -96,10 +104,11 @@ class ModelRunner:
 
     def execute(
         self, step: ScheduledStep, on_layer: Callable[[int], None] | None = None
-    ) -> tuple[torch.Tensor, list[Request]]:
-        """Run the step; return logits `[rows, vocab]` and the request each row samples for (a verifying
-        request has a row per draft and one more, consecutive). `on_layer(i)` is called once layer i's
-        K/V of the whole batch is in the arena."""
+    ) -> tuple[torch.Tensor, list[Request], list[tuple[Request, int]]]:
+        """Run the step; return logits `[rows, vocab]`, the request each row samples for (a verifying
+        request has a row per draft and one more, consecutive), then the prompt rows that score a prompt's
+        next token (their logits follow the sampled rows'). `on_layer(i)` is called once layer i's K/V of
+        the whole batch is in the arena."""
         bs = self.block_size
         flat = FlatBatch(bs)
 
@@ -122,7 +131,8 @@ class ModelRunner:
             for request, n in step.prefills:
                 table = self.blocks.block_table(request.request_id)
                 for pos in range(request.num_computed, request.num_computed + n):
-                    flat.add(request.all_ids[pos], pos, table, request if pos == request.num_tokens - 1 else None)
+                    sampled = request if pos == request.num_tokens - 1 else None
+                    flat.add(request.all_ids[pos], pos, table, sampled, request)
                     tables.append(table[: pos // bs + 1])
             groups = self._paged(tables, flat.positions)
             prefills = []
@@ -147,7 +157,7 @@ class ModelRunner:
             for pos in range(pos0, context):
                 # The prompt fully computed: its last row yields a token.
                 last = pos == context - 1 and context == request.num_tokens
-                flat.add(ids[pos], pos, table, request if last else None)
+                flat.add(ids[pos], pos, table, request if last else None, request)
             chunks.append(PrefillChunk(start, n, context, self._rows(table[: -(-context // bs)])))
 
         batch = AttentionBatch(slots=self._tensor(flat.slots), decodes=groups, prefills=chunks, verifies=verifies)
@@ -156,10 +166,10 @@ class ModelRunner:
             self._tensor(flat.positions),
             batch,
             self.arena,
-            self._tensor(flat.sample_rows),
+            self._tensor(flat.sample_rows + flat.score_rows),
             on_layer,
         )
-        return logits.cpu(), flat.samplers  # sampling runs on the CPU: per-request seeded generators live there
+        return logits.cpu(), flat.samplers, flat.scorers  # (sampled on the CPU: seeded generators live there)
 
     def _verify_rows(
         self, verifies: list[tuple[Request, list[int]]], flat: FlatBatch, tables: list[list[int]] | None = None

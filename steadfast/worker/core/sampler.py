@@ -11,7 +11,7 @@ request's own tokens, so a takeover rebuilds it from the delivered tokens and no
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +88,7 @@ class Sampled:
     rows: list[Request]
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
+    scores: list[tuple[Request, int, TokenLogprob]] = field(default_factory=list)  # prompt tokens' (scored_prompts)
 
     def __post_init__(self) -> None:
         self._rows_of: dict[str, list[int]] = {}  # (only where a row has logprobs: a step without costs nothing)
@@ -124,17 +125,42 @@ def logprobs_of(
     return out
 
 
+def scored_prompts(
+    logits: torch.Tensor, scorers: Sequence[tuple[Request, int]]
+) -> list[tuple[Request, int, TokenLogprob]]:
+    """The logprobs of the prompt token after each scoring row's position (the raw log-softmax, as for an
+    output token), with the request's count of alternatives."""
+    if not scorers:
+        return []
+    following = [request.prompt_ids[pos + 1] for request, pos in scorers]
+    params = [request.params for request, _ in scorers]
+    counted = [SamplingParams(logprobs=p.prompt_logprobs) for p in params]
+    lps = logprobs_of(logits, counted, following)
+    return [(request, pos, lp) for (request, pos), lp in zip(scorers, lps, strict=True) if lp is not None]
+
+
+def keep_scores(scores: Sequence[tuple[Request, int, TokenLogprob]]) -> None:
+    """A step's prompt logprobs, each kept once and in order (a recomputed step scores nothing twice)."""
+    for request, pos, lp in scores:
+        if pos == len(request.prompt_scores):
+            request.prompt_scores.append(lp)
+
+
 def sample_rows(
     logits: torch.Tensor,
     rows: Sequence[Request],
     drafts: Mapping[str, Sequence[int]],
     eos: Sequence[int],
     masks: StepMasks | None = None,
+    scorers: Sequence[tuple[Request, int]] = (),
 ) -> Sampled:
     """One token per row of a step. A request verifying drafts has one row per position: row k draws its
     output token len(output) + k, as if drafts[:k] were its output (a draft is kept only where it equals
     the token drawn there, so that is the output the token follows). `masks`: the tokens each
-    constrained request's grammar allows, applied after the other adjustments."""
+    constrained request's grammar allows, applied after the other adjustments. `scorers`: rows after the
+    sampled ones that score a prompt's next token (scored_prompts)."""
+    scores = scored_prompts(logits[len(rows) :], scorers)
+    logits = logits[: len(rows)]
     indices: list[int] = []
     outputs: list[Sequence[int]] = []
     seen: dict[str, int] = {}
@@ -147,7 +173,7 @@ def sample_rows(
     if masks is not None:
         adjusted = masks.apply(adjusted, rows)
     tokens = sample(adjusted, params, indices)
-    return Sampled(list(rows), tokens, logprobs_of(logits, params, tokens))
+    return Sampled(list(rows), tokens, logprobs_of(logits, params, tokens), scores)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]) -> list[int]:
