@@ -88,6 +88,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     # -1: none; else each prompt token's logprob (the first's excepted) and this many alternatives, sent
     # with the first output (OpenAI's `echo` with `logprobs`)
     prompt_logprobs: int = -1
+    # Logprobs of the distribution the token is drawn from (after penalties, bias, the grammar, temperature,
+    # top-k/top-p/min-p), not the model's raw one: vLLM's `processed_logprobs`
+    processed_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ and both unchanged by speculation."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -139,6 +140,28 @@ def test_prompt_logprobs_are_the_models_over_the_prompt(fp32_config, fp32_model,
             assert lp.top_ids == ref[pos].topk(3).indices.tolist(), pos
         likelihood = float(ref.gather(1, torch.tensor([ids[1:]]).T).sum())
         assert abs(sum(lp.logprob for lp in got) - likelihood) < 1e-3
+
+
+def test_processed_logprobs_are_those_of_the_distribution_drawn_from(fp32_config, fp32_model, make_engine):
+    """`logprobs_mode: processed_logprobs`: each token's logprobs are those of the distribution it was
+    drawn from (here the raw one at temperature 0.7 cut to its top 5: its five alternatives hold all the
+    mass), computed from the raw run's own figures; the tokens are the same either way."""
+    tok = fp32_model.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
+    raw = SamplingParams(12, 0.7, top_k=5, seed=3, ignore_eos=True, logprobs=5)
+    engine = make_engine(fp32_config, fp32_model)
+    plain = engine_outputs(engine, prompts, raw)
+    shaped = engine_outputs(engine, prompts, msgspec.structs.replace(raw, processed_logprobs=True))
+    for a, b in zip(plain, shaped, strict=True):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        for x, y in zip(a, b, strict=True):
+            r, p = x.logprobs[0], y.logprobs[0]
+            assert r.top_ids == p.top_ids
+            scaled = torch.tensor(r.top_logprobs) / 0.7
+            want = scaled - torch.logsumexp(scaled, 0)
+            assert max(abs(u - float(v)) for u, v in zip(p.top_logprobs, want, strict=True)) < FP32_NOISE
+            assert abs(float(torch.tensor(p.top_logprobs).exp().sum()) - 1.0) < 1e-4
+            assert p.logprob == p.top_logprobs[p.top_ids.index(x.token_ids[0])]
 
 
 def test_speculation_changes_no_adjusted_token_nor_logprob(fp32_config, fp32_model, make_engine):

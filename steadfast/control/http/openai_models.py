@@ -4,7 +4,9 @@ Fields OpenAI defines that Steadfast does not implement are accepted only at the
 other value is a 400 naming the field, never silently ignored. Undeclared fields are kept (`extra="allow"`)
 for fields.py to sort: a peer's field refused or accepted, anyone else's reported. Extensions: `top_k`, `priority`,
 `ignore_eos`, `stop_token_ids`, `return_token_ids` (each choice also carries its token ids), `speculative`
-(false: this request never drafts, where the worker speculates; its output is the same either way).
+(false: this request never drafts, where the worker speculates; its output is the same either way),
+`logprobs_mode` (vLLM's modes: `raw_logprobs`, or `processed_logprobs` for the distribution each token is
+drawn from).
 Every string, wherever it is in a body, must be valid Unicode: a lone surrogate (JSON `"\\ud800"`) is a 400.
 """
 
@@ -92,6 +94,9 @@ class _Sampling(_Open):
     ignore_eos: StrictBool = False
     speculative: StrictBool = True
     return_token_ids: StrictBool = False
+    # vLLM's logprobs modes (its server-wide `--logprobs-mode`, per request here): the model's raw
+    # log-softmax (the default), or that of the distribution the token is drawn from
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[Number, Field(gt=0.0, le=10.0)] | None = None

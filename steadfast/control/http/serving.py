@@ -243,6 +243,7 @@ def prepare(
         logprobs=body.logprob_count,
         grammar=grammar,
         prompt_logprobs=body.prompt_logprob_count,
+        processed_logprobs=body.logprobs_mode == "processed_logprobs",
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     add = AddRequest(rid, prompt_ids, params, PRIORITIES[body.priority])

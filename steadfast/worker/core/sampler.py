@@ -21,6 +21,7 @@ from steadfast.worker.core.request import Request
 
 _MASK64 = (1 << 64) - 1
 MAX_TOP = 20  # the most alternatives a token's logprobs carry (OpenAI's bound)
+NEVER = -9999.0  # the logprob of a token that cannot be drawn (JSON has no -inf; OpenAI's own figure)
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -121,7 +122,8 @@ def logprobs_of(
     top_values, top_ids = (t.tolist() for t in lp.topk(min(MAX_TOP, lp.shape[-1])))
     for i, r in enumerate(rows):
         k = params[r].logprobs
-        out[r] = TokenLogprob(chosen[i], top_ids[i][:k], top_values[i][:k])
+        values = [max(v, NEVER) for v in top_values[i][:k]]  # (a processed row's barred tokens: -inf)
+        out[r] = TokenLogprob(max(chosen[i], NEVER), top_ids[i][:k], values)
     return out
 
 
@@ -173,7 +175,28 @@ def sample_rows(
     if masks is not None:
         adjusted = masks.apply(adjusted, rows)
     tokens = sample(adjusted, params, indices)
-    return Sampled(list(rows), tokens, logprobs_of(logits, params, tokens), scores)
+    return Sampled(list(rows), tokens, logprobs_of(processed(logits, adjusted, params), params, tokens), scores)
+
+
+def processed(raw: torch.Tensor, adjusted: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The logits each row's logprobs are read from: the model's raw ones, or for a row asking for the
+    processed distribution the one its token is drawn from (adjusted; then, sampled rows, scaled by the
+    temperature and cut by top-k, top-p and min-p: a token never drawn has -inf)."""
+    rows = [r for r, p in enumerate(params) if p.processed_logprobs and p.logprobs >= 0]
+    if not rows:
+        return raw
+    out = raw.clone()
+    for r in rows:
+        p, row = params[r], adjusted[r : r + 1]
+        if not p.greedy:
+            row = row / p.temperature
+            if p.top_k > 0 or p.top_p < 1.0:
+                row = _filter(row, torch.tensor([p.top_k]), torch.tensor([p.top_p]))
+            if p.min_p > 0:
+                probs = row.softmax(dim=-1)
+                row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        out[r] = row[0]
+    return out
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]) -> list[int]:
