@@ -460,7 +460,7 @@ def test_named_and_single_calls_streamed_as_openai_sends_them(server, client, mo
     assert len(one.choices[0].message.tool_calls) == 1
 
 
-def test_auto_and_none_leave_the_model_free(client, model):
+def test_auto_and_none_leave_the_model_free(server, client, model):
     auto = client.chat.completions.create(
         model=model, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=12, temperature=0
     )
@@ -470,6 +470,8 @@ def test_auto_and_none_leave_the_model_free(client, model):
     plain = client.chat.completions.create(model=model, messages=WEATHER_ASK, max_tokens=12, temperature=0)
     assert none.choices[0].message.content == plain.choices[0].message.content  # `none`: no tools in the prompt
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # `auto`: the tools are
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": WEATHER_ASK, "tools": [WEATHER]}).json()
+    assert tokenized["count"] == auto.usage.prompt_tokens  # (/tokenize renders a chat's tools as a chat does)
 
 
 BAD_TOOLS = [

@@ -1,16 +1,18 @@
-"""`POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt or a chat to token ids (what
-the model would be given), and ids back to text. Behind the same key as /v1; bounded by the request
+"""`POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt or a chat (with its tools) to
+token ids (what the model would be given), and ids back to text. Behind the same key as /v1; bounded by the request
 limits; the tokenizer runs off the event loop. Never touches a worker."""
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from steadfast.control.http import tools
 from steadfast.control.http.errors import APIError
-from steadfast.control.http.openai_models import ChatMessage, Text, TokenId
+from steadfast.control.http.openai_models import MAX_TOOLS, ChatCompletionRequest, ChatMessage, Text, TokenId, Tool
 from steadfast.control.http.serving import ServingContext, check_model_name
 
 MAX_DETOKENIZE = 1 << 20  # ids in one call: a 4 MB body holds no more than ~800 k anyway
@@ -29,6 +31,7 @@ class TokenizePrompt(_Tokenize):
 
 class TokenizeChat(_Tokenize):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # (as a chat would be given them)
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False  # (the template writes the special tokens it wants)
 
@@ -57,10 +60,14 @@ def add_tokenize_routes(app: FastAPI, ctx: ServingContext) -> None:
                     )
                 if len(body.messages) > ctx.limits.max_messages:
                     raise APIError(f"More than {ctx.limits.max_messages} messages.", param="messages")
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                if sum(len(m["content"]) for m in messages) > ctx.limits.max_prompt_chars:
+                chat = ChatCompletionRequest(model="", messages=body.messages, tools=body.tools)
+                native = tools.native(tok.info.chat_template)
+                messages = tools.prompt_messages(chat, native)
+                offered = tools.offered(chat) if native else []
+                if tools.prompt_chars(messages, offered) > ctx.limits.max_prompt_chars:
                     raise APIError(f"The messages are over {ctx.limits.max_prompt_chars} characters.", param="messages")
-                ids = await ctx.off_loop(tok.encode_chat, messages, body.add_generation_prompt)
+                encode = functools.partial(tok.encode_chat, tools=offered or None)
+                ids = await ctx.off_loop(encode, messages, body.add_generation_prompt)
         except APIError:
             raise
         except Exception as exc:  # the tokenizer's or the template's refusal of this input
