@@ -46,8 +46,10 @@ class Request:
         return self.prompt_scores if self.params.prompt_logprobs >= 0 and len(self.output_ids) == 1 else None
 
     def scores(self, pos: int) -> bool:
-        """Whether the row of prompt position `pos` gives a prompt logprob not yet known."""
-        return self.params.prompt_logprobs >= 0 and len(self.prompt_scores) <= pos < len(self.prompt_ids) - 1
+        """Whether the row of prompt position `pos` gives a prompt logprob not yet known (and still to send:
+        a request taken over past its first token had them sent)."""
+        wanted = self.params.prompt_logprobs >= 0 and not self.output_ids
+        return wanted and len(self.prompt_scores) <= pos < len(self.prompt_ids) - 1
 
     @property
     def all_ids(self) -> list[int]:

@@ -276,7 +276,7 @@ class Scheduler:
                 continue
             own = request.num_preemptions > 0 or request.recovery is not None
             hits = self.blocks.match_prefix(request.all_ids, own)
-            if request.params.prompt_logprobs >= 0:  # (cached KV has no logits: its prompt rows are computed)
+            if request.params.prompt_logprobs >= 0 and not request.output_ids:  # (cached KV has no logits)
                 hits = hits[: len(request.prompt_scores) // self.blocks.block_size]
             if self.tier is not None and not self.tier.ready(request, hits, bool(self.running)):
                 deferred.append(heapq.heappop(self._waiting))
