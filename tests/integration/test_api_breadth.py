@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -232,6 +233,33 @@ def test_n_choices_each_equal_the_request_alone_with_its_seed(client, model):
     assert [c.index for c in done.choices] == [0, 1]
 
 
+class Resuming:
+    """A streamed request's data chunks as they come (with the event id in force at each); with `drop_after`,
+    the connection is dropped after that many chunks and the stream resumed with Last-Event-ID."""
+
+    def __init__(self, server, path: str, body: dict, drop_after: int = 0) -> None:
+        self.url, self.body, self.drop_after = server.url + path, body, drop_after
+        self.last: str | None = None
+        self.connections = self.seen = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            self.connections += 1
+            headers = {"Last-Event-ID": self.last} if self.last else {}
+            with httpx.stream("POST", self.url, json=self.body, headers=headers, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        self.last = line[4:]
+                    elif line.startswith("data: {"):
+                        self.seen += 1
+                        yield json.loads(line[6:])
+                        if self.seen == self.drop_after:
+                            break
+                else:
+                    return
+
+
 def streamed(server, model: str, body: dict, drop_after: int = 0) -> tuple[dict[int, list[int]], dict[int, str], int]:
     """A chat stream of several choices, reassembled per choice (token ids and finish reasons); with
     `drop_after`, the client drops the connection after that many chunks and resumes with Last-Event-ID.
@@ -239,33 +267,18 @@ def streamed(server, model: str, body: dict, drop_after: int = 0) -> tuple[dict[
     body = {"model": model, "stream": True, "return_token_ids": True, **body}
     tokens: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
-    last, connections, seen = None, 0, 0
-    while True:
-        connections += 1
-        headers = {"Last-Event-ID": last} if last else {}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
-            assert r.status_code == 200, r.read()
-            dropped = False
-            for line in r.iter_lines():
-                if line.startswith("id: "):
-                    last = line[4:]
-                elif line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    for c in chunk["choices"]:
-                        tokens.setdefault(c["index"], []).extend(c.get("token_ids") or [])
-                        if c.get("finish_reason"):
-                            finish[c["index"]] = c["finish_reason"]
-                    if last and chunk["choices"]:
-                        # The resume point names what the client holds of each choice: exactly what it got.
-                        held = [int(t.rstrip("+")) for t in last.rsplit(":", 2)[1].split(",")]
-                        assert held == [len(tokens.get(i, [])) for i in range(len(held))], (held, last)
-                    seen += 1
-                    if drop_after and seen == drop_after:
-                        dropped = True
-                        break
-            if not dropped:
-                return tokens, finish, connections
+    stream = Resuming(server, "/v1/chat/completions", body, drop_after)
+    for chunk in stream:
+        assert "error" not in chunk, chunk
+        for c in chunk["choices"]:
+            tokens.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+            if c.get("finish_reason"):
+                finish[c["index"]] = c["finish_reason"]
+        if stream.last and chunk["choices"]:
+            # The resume point names what the client holds of each choice: exactly what it got.
+            held = [int(t.rstrip("+")) for t in stream.last.rsplit(":", 2)[1].split(",")]
+            assert held == [len(tokens.get(i, [])) for i in range(len(held))], (held, stream.last)
+    return tokens, finish, stream.connections
 
 
 def test_n_choices_stream_interleaved_and_resume_from_last_event_id(server, client, model):
@@ -372,32 +385,18 @@ WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris right n
 def tool_stream(server, model: str, body: dict, drop_after: int = 0) -> tuple[str, list[dict], str, int]:
     """A streamed chat reassembled as an OpenAI client does (content, and each call's deltas by index), and
     its number of chunks; with `drop_after`, dropped after that many chunks and resumed with Last-Event-ID."""
-    body = {"model": model, "stream": True, **body}
     content, calls, finish = "", {}, ""
-    last, connections, seen = None, 0, 0
-    while True:
-        connections += 1
-        headers = {"Last-Event-ID": last} if last else {}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line.startswith("id: "):
-                    last = line[4:]
-                elif line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    for c in chunk["choices"]:
-                        content += c["delta"].get("content") or ""
-                        for d in c["delta"].get("tool_calls") or ():
-                            one = calls.setdefault(d["index"], {"id": "", "name": "", "arguments": ""})
-                            one["id"] += d.get("id") or ""
-                            one["name"] += d.get("function", {}).get("name") or ""
-                            one["arguments"] += d.get("function", {}).get("arguments") or ""
-                        finish = c.get("finish_reason") or finish
-                    seen += 1
-                    if seen == drop_after:
-                        break
-            else:
-                return content, [calls[i] for i in sorted(calls)], finish, seen
+    stream = Resuming(server, "/v1/chat/completions", {"model": model, "stream": True, **body}, drop_after)
+    for chunk in stream:
+        for c in chunk["choices"]:
+            content += c["delta"].get("content") or ""
+            for d in c["delta"].get("tool_calls") or ():
+                one = calls.setdefault(d["index"], {"id": "", "name": "", "arguments": ""})
+                one["id"] += d.get("id") or ""
+                one["name"] += d.get("function", {}).get("name") or ""
+                one["arguments"] += d.get("function", {}).get("arguments") or ""
+            finish = c.get("finish_reason") or finish
+    return content, [calls[i] for i in sorted(calls)], finish, stream.seen
 
 
 def test_a_tool_call_round_trip(client, model):
@@ -653,19 +652,9 @@ def test_a_list_of_prompts_gives_each_its_choices(server, client, model):
     assert [c.text for c in by_ids.choices] == [c.text for c in many.choices]
     body = {"model": model, "prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0.9, "seed": 7, "stream": True}
     texts: dict[int, str] = {}
-    last, seen = None, 0
-    for attempt in range(2):  # dropped after 5 chunks, then resumed with Last-Event-ID
-        headers = {"Last-Event-ID": last} if last else {}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("id: "):
-                    last = line[4:]
-                elif line.startswith("data: {"):
-                    for c in json.loads(line[6:])["choices"]:
-                        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
-                    seen += 1
-                    if attempt == 0 and seen == 5:
-                        break
+    for chunk in Resuming(server, "/v1/completions", body, drop_after=5):  # dropped after 5 chunks, resumed
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
     assert [texts[i] for i in range(6)] == [c.text for c in many.choices]
 
 

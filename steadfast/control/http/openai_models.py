@@ -61,25 +61,25 @@ Text = Annotated[StrictStr, AfterValidator(_unicode)]
 JSONObject = Annotated[dict[str, Any], AfterValidator(_unicode)]
 
 
-class _Open(BaseModel):
+class OpenBody(BaseModel):
     """A body part that keeps its undeclared fields for fields.py, held to the same rules as the rest
     (valid Unicode) and in name order, so the body's digest does not depend on their order."""
 
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
-    def _extra(self) -> _Open:
+    def _extra(self) -> OpenBody:
         if self.__pydantic_extra__:
             _unicode(self.__pydantic_extra__)
             self.__pydantic_extra__ = dict(sorted(self.__pydantic_extra__.items()))
         return self
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenBody):
     include_usage: StrictBool = False
 
 
-class _Sampling(_Open):
+class _Sampling(OpenBody):
     model: Text
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
@@ -239,7 +239,7 @@ class ToolCall(BaseModel):
     index: StrictInt | None = None  # (a stream's: clients that gather deltas send it back; no effect)
 
 
-class ChatMessage(_Open):
+class ChatMessage(OpenBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None

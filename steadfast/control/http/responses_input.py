@@ -21,8 +21,8 @@ from steadfast.control.http.openai_models import (
     ChatCompletionRequest,
     JSONObject,
     Number,
+    OpenBody,
     Text,
-    _Open,
 )
 
 MAX_ITEMS = 1024  # input items (as `server.max_messages` bounds a chat's messages)
@@ -50,7 +50,7 @@ class ResponseTool(BaseModel):
     strict: StrictBool | None = None
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(OpenBody):
     model: Text
     input: Text | Annotated[list[JSONObject], Field(min_length=1, max_length=MAX_ITEMS)]
     instructions: Text | None = None
