@@ -63,7 +63,7 @@ def llg_run(vocab: llguidance.LLTokenizer, schema: dict[str, Any], ids: list[int
     steps = []
     for t in ids:
         s = time.perf_counter()
-        matcher.compute_mask()
+        matcher.compute_bitmask()
         ok = matcher.consume_token(t)
         steps.append(time.perf_counter() - s)
         assert ok, matcher.get_error()
