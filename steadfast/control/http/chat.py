@@ -72,11 +72,7 @@ async def admit_chat(
 
     resumed = resumable and resuming(body, http)
     prepared = await admit(ctx, body, ids, body.token_limit, prefix, cut, resumed)
-
-    def reader(index: int) -> tools.ToolReader | None:
-        return tools.reader(body, prepared.request_id, index)
-
-    return prepared, reader
+    return prepared, tools.readers(body, prepared.request_id)
 
 
 def served_priority(asked: str, http: Request) -> str:

@@ -356,13 +356,15 @@ def gathered(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [calls[i] for i in sorted(calls)]
 
 
-def reader(body: ChatCompletionRequest, request_id: str, choice: int) -> ToolReader | None:
-    """A reader for a choice of a request that offers tools, else None (its text is all content)."""
-    tools = offered(body)
-    if not tools:
-        return None
-    names = frozenset(t["function"]["name"] for t in tools)
-    return ToolReader(names, lambda i: call_id(request_id, choice, i))
+def readers(body: ChatCompletionRequest, request_id: str) -> Callable[[int], ToolReader | None]:
+    """Each choice's reader for a request that offers tools, else None (its text is all content)."""
+    given = body.tools and body.tool_choice != "none"  # (as `offered`: none put before the model, none read)
+    names = frozenset(t.function.name for t in body.tools or ()) if given else frozenset()
+
+    def reader(choice: int) -> ToolReader | None:
+        return ToolReader(names, lambda i: call_id(request_id, choice, i)) if names else None
+
+    return reader
 
 
 def message(text: str, tool_reader: ToolReader | None) -> dict[str, Any]:

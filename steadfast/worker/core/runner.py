@@ -49,6 +49,12 @@ class FlatBatch:
             self.scorers.append((prompt, pos))
 
 
+def _scorer(request: Request) -> Request | None:
+    """The request as its prompt rows' scorer where it asks for prompt logprobs (a row's check then runs
+    for it alone, not for every prefill token of every request)."""
+    return request if request.params.prompt_logprobs >= 0 else None
+
+
 def split_by_width(widths: list[int], max_groups: int, group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
     """Cut rows sorted by width (blocks, longest first) into at most `max_groups` runs, each padded to
     its first row's width, minimising padded blocks + `group_cost` per run. Returns the run lengths.
@@ -130,9 +136,10 @@ class ModelRunner:
             self._verify_rows(step.verifies, flat, tables)
             for request, n in step.prefills:
                 table = self.blocks.block_table(request.request_id)
+                scorer = _scorer(request)
                 for pos in range(request.num_computed, request.num_computed + n):
                     sampled = request if pos == request.num_tokens - 1 else None
-                    flat.add(request.all_ids[pos], pos, table, sampled, request)
+                    flat.add(request.all_ids[pos], pos, table, sampled, scorer)
                     tables.append(table[: pos // bs + 1])
             groups = self._paged(tables, flat.positions)
             prefills = []
@@ -154,10 +161,11 @@ class ModelRunner:
             table = self.blocks.block_table(request.request_id)
             ids = request.all_ids
             context = pos0 + n
+            scorer = _scorer(request)
             for pos in range(pos0, context):
                 # The prompt fully computed: its last row yields a token.
                 last = pos == context - 1 and context == request.num_tokens
-                flat.add(ids[pos], pos, table, request if last else None, request)
+                flat.add(ids[pos], pos, table, request if last else None, scorer)
             chunks.append(PrefillChunk(start, n, context, self._rows(table[: -(-context // bs)])))
 
         batch = AttentionBatch(slots=self._tensor(flat.slots), decodes=groups, prefills=chunks, verifies=verifies)
