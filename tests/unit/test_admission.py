@@ -6,6 +6,7 @@ and the TTFT prediction and context truncation it relies on."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,11 +24,14 @@ from steadfast.control.fleet.signals import (
 )
 from steadfast.control.fleet.workers import WorkerRegistry
 from steadfast.control.http.errors import APIError, refusal_error
+from steadfast.control.http.openai_models import CompletionRequest
+from steadfast.control.http.serving import ServingContext, admit
 from steadfast.control.http.truncate import cut_chat, cut_prompt
 from steadfast.control.ladder.degrade import Degradation, Sources
 from steadfast.control.ladder.ladder import Level
 from steadfast.control.ladder.plan import Plan, Refusal
 from steadfast.control.ladder.view import ladder_view
+from steadfast.model.tokenizer import GGUFTokenizer
 from steadfast.wire.worker import AddRequest, Degrade, Priority, SamplingParams, WorkerRole, WorkerState, WorkerStatus
 
 pytestmark = pytest.mark.unit
@@ -331,3 +335,21 @@ def test_short_ttft_predictions_do_not_move_the_calibration():
         c.learn(0.05, 0.15)
         c.learn(0.7, 0.7)
     assert c.factor == pytest.approx(1.0) and c.trusted
+
+
+@pytest.mark.parametrize(("n", "best_of", "runs"), [(1, None, 1), (3, None, 3), (1, 4, 4), (2, 5, 5)])
+def test_the_ladder_plans_every_run_a_request_decodes(model_path, n, best_of, runs):
+    """`best_of` above `n` decodes best_of sequences of which n are kept: the ladder weighs all of them."""
+    planned: list[int] = []
+
+    def plan(rid: str, priority: Priority, prompt: list[int], tokens: int) -> Plan:
+        planned.append(tokens)
+        return Plan(Level.L0)
+
+    tok = GGUFTokenizer.from_gguf(model_path)
+    client = SimpleNamespace(workers=[SimpleNamespace(ready=True, status=None)], pending=0)
+    ctx = ServingContext(client, tok, "m", 2048, 16, None)  # type: ignore[arg-type]
+    ctx.degradation = SimpleNamespace(plan=plan, ended=lambda rid: None)  # type: ignore[assignment]
+    body = CompletionRequest(model="m", prompt="Hi", max_tokens=10, n=n, best_of=best_of)
+    asyncio.run(admit(ctx, body, tok.encode("Hi"), 10, "cmpl", None))  # type: ignore[arg-type]
+    assert planned == [10 * runs]

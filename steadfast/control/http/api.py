@@ -283,7 +283,7 @@ def create_app(
         ignored = check_model(ctx, body)
         body.priority = served_priority(body.priority, http)
         prompts = prompt_list(body.prompt)
-        runs = max(body.best_of or 1, body.n)  # runs per prompt: its choices, or best_of to pick them from
+        runs = body.runs
         if len(prompts) * runs > MAX_CHOICES:
             raise APIError(
                 f"{len(prompts)} prompts of {runs} runs each are over {MAX_CHOICES} in one request.", param="prompt"

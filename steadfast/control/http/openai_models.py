@@ -119,6 +119,11 @@ class _Sampling(OpenBody):
     grammar: Text | None = None
     json_schema: JSONObject | Text | None = None
 
+    @property
+    def runs(self) -> int:
+        """Sequences decoded per prompt: its choices (`best_of` above n: the runs they are picked from)."""
+        return self.n
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -168,6 +173,10 @@ class CompletionRequest(_Sampling):
     def logprob_count(self) -> int:
         """The worker's `logprobs`: -1 none, else the alternatives per token (0: the chosen token's alone)."""
         return -1 if self.logprobs is None else self.logprobs
+
+    @property
+    def runs(self) -> int:
+        return max(self.best_of or 1, self.n)
 
     @property
     def prompt_logprob_count(self) -> int:

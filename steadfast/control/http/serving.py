@@ -133,7 +133,7 @@ async def admit(
     prepared = prepare(ctx, body, prompt_ids, max_tokens, rid, grammar)  # bad input: a 400 before the ladder
     ladder = ctx.degradation
     if ladder is not None and not resuming:
-        tokens = prepared.add.params.max_tokens * body.n  # (every choice decodes its own)
+        tokens = prepared.add.params.max_tokens * body.runs  # (every run decodes its own: best_of's too)
         plan = ladder.plan(rid, Priority[body.priority.upper()], prompt_ids, tokens)
         if isinstance(plan, Refusal):
             raise refusal_error(plan)
