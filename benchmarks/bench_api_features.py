@@ -91,16 +91,21 @@ def n_round(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int, t
         out["prompt_tokens"] = r.json()["usage"]["prompt_tokens"]
     prompt = filler(prompt_tokens, f"{tag}-separate")
 
-    async def separate() -> None:
+    async def separate() -> int:
+        """The prompt tokens the separate requests computed (the rest came from the prefix cache)."""
         async with httpx.AsyncClient(timeout=600) as c:
             answers = await asyncio.gather(
                 *(c.post(url + "/v1/completions", json=body | {"prompt": prompt, "seed": 7 + i}) for i in range(n))
             )
+            computed = 0
             for a in answers:
                 a.raise_for_status()
+                used = a.json()["usage"]
+                computed += used["prompt_tokens"] - used["prompt_tokens_details"]["cached_tokens"]
+            return computed
 
     t0 = time.perf_counter()
-    asyncio.run(separate())
+    out["separate_computed_prompt_tokens"] = asyncio.run(separate())
     out["separate_s"] = time.perf_counter() - t0
     out["speedup"] = out["separate_s"] / out["one_request_s"]
     return out

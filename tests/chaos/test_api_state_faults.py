@@ -1,9 +1,10 @@
 """The state a request's sampling carries — a JSON schema's grammar, logprobs, penalties, `n` choices, a tool
 call — through the three ways a request changes hands (issue 50 §6): its worker `kill -9`ed (a standby takes
 over from the ledger), a live migration to the other worker, and the router killed (the client reconnects
-with `Last-Event-ID`). Each stream has tokens before and after the fault and must end as the fault-free run:
-the same tokens, each once, the same logprobs (fp32: within 1e-4), JSON valid against its schema, the one
-call's deltas each once; and each fault is checked to have happened (the pid gone, the takeover or
+with `Last-Event-ID`; a Responses stream too). Each stream has tokens before and after the fault and must
+end as the fault-free run: the same tokens, each once, the same logprobs (bit for bit in bf16 with
+`model.deterministic` where its kernels run; else fp32, within 1e-4), JSON valid against its schema, the
+one call's deltas each once; and each fault is checked to have happened (the pid gone, the takeover or
 migration recorded, the router replaced)."""
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import jsonschema
 import pytest
 
+from steadfast.config import Config, ConfigError
 from steadfast.control.http import tools
 from steadfast.control.http.openai_models import ChatCompletionRequest
 from steadfast.control.http.tags import request_tag
@@ -29,10 +33,13 @@ from steadfast.wire.worker import AddRequest, SamplingParams
 from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
 
+if TYPE_CHECKING:
+    from steadfast.worker.loaded import LoadedModel
+
 pytestmark = pytest.mark.chaos
 
 CONFIG = """
-model: {dtype: float32, device: cpu}
+model: {dtype: %s, device: cpu, deterministic: %s}
 cache: {kv_memory_mb: 128}
 server: {workers: 2, standby_workers: 1}
 fault_recovery:
@@ -95,12 +102,38 @@ SPECS = [  # (what, extra body fields, SamplingParams fields for the reference)
 ]
 
 
+@dataclass(frozen=True)
+class Mode:
+    """How the server and its reference compute: bf16 with `model.deterministic` where its kernels run
+    (logprobs then the same bits), else fp32 (within FP32_NOISE)."""
+
+    config: Config
+    model: LoadedModel
+    noise: float
+
+    @property
+    def yaml(self) -> str:
+        m = self.config.model
+        return CONFIG % (m.dtype, "on" if self.noise == 0.0 else "off")
+
+
 @pytest.fixture(scope="module")
-def want(small_config, small_model) -> list[list[tuple[list[int], list[float]]]]:
+def mode(small_config, small_deterministic_config, small_model) -> Mode:
+    from steadfast.worker.loaded import load_model
+
+    try:
+        return Mode(small_deterministic_config, load_model(small_deterministic_config), 0.0)
+    except ConfigError:
+        return Mode(small_config, small_model, FP32_NOISE)
+
+
+@pytest.fixture(scope="module")
+def want(mode) -> list[list[tuple[list[int], list[float]]]]:
     """Per spec, per choice: the fault-free tokens and logprobs (choice i: the request with seed + i)."""
     from steadfast.worker.engine import Engine
     from steadfast.worker.loaded import private_arena
 
+    small_config, small_model = mode.config, mode.model
     path = f"/dev/shm/steadfast-test-api-state-{os.getpid()}.kv"
     engine = Engine(small_config, small_model, private_arena(small_config, small_model.model_cfg, path))
     try:
@@ -203,11 +236,57 @@ class Client(threading.Thread):
             self.finishes[i] = choice.get("finish_reason") or self.finishes[i]
 
 
+class ResponsesClient(threading.Thread):
+    """One streamed Responses request that reconnects with Last-Event-ID whenever its stream breaks."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.events: list[dict] = []
+        self.error: str | None = None
+        self.reconnects = 0
+        self.done = False
+
+    @property
+    def text(self) -> str:
+        return "".join(e["delta"] for e in self.events if e["type"] == "response.output_text.delta")
+
+    def run(self) -> None:
+        last = None
+        deadline = time.monotonic() + 240
+        while not self.done and time.monotonic() < deadline:
+            headers = {"Last-Event-ID": last} if last else {}
+            pending = None
+            try:
+                with httpx.stream("POST", self.url + "/v1/responses", json=self.body, headers=headers, timeout=30) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        if r.status_code < 500:
+                            self.error = f"{r.status_code}: {r.text}"
+                            return
+                        raise httpx.TransportError(f"status {r.status_code}")
+                    for line in r.iter_lines():
+                        if line.startswith("id: "):
+                            pending = line[4:]
+                        elif line.startswith("data: {"):
+                            event = json.loads(line[6:])
+                            if event["type"] == "error":
+                                self.error = event["message"]
+                                return
+                            self.events.append(event)
+                            last = pending or last  # (an id counts once its event arrived whole)
+                            self.done = event["type"] in ("response.completed", "response.incomplete")
+            except httpx.TransportError:
+                time.sleep(0.2)
+            if not self.done:
+                self.reconnects += 1
+
+
 def admin(server: ServerProcess, what: str):
     return httpx.get(f"{server.url}/admin/{what}", timeout=10).json()
 
 
-def check(clients: list[Client], want) -> None:
+def check(clients: list[Client], want, noise: float) -> None:
     for (what, _, _), c, per_choice in zip(SPECS, clients, want, strict=True):
         assert c.error is None, (what, c.error)
         # Each event id: what the client holds of each choice, never less than before, ending at all of it.
@@ -219,7 +298,7 @@ def check(clients: list[Client], want) -> None:
         tokens, logprobs = per_choice[0]
         if logprobs:
             assert len(c.logprobs) == len(logprobs), what
-            assert max(abs(a - b) for a, b in zip(c.logprobs, logprobs, strict=True)) <= FP32_NOISE, what
+            assert max(abs(a - b) for a, b in zip(c.logprobs, logprobs, strict=True)) <= noise, what
         if "response_format" in SPECS[clients.index(c)][1]:
             assert c.finish == "stop", (what, c.text)
             jsonschema.validate(json.loads(c.text), SCHEMA)
@@ -230,8 +309,8 @@ def check(clients: list[Client], want) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, small_model_path):
-    server = ServerProcess(tmp_path_factory.mktemp("api-state"), CONFIG, model=small_model_path)
+def server(tmp_path_factory, small_model_path, mode):
+    server = ServerProcess(tmp_path_factory.mktemp("api-state"), mode.yaml, model=small_model_path)
     try:
         server.wait_ready()
         yield server
@@ -255,7 +334,7 @@ def finish(clients: list[Client]) -> None:
         c.join(timeout=240)
 
 
-def test_a_live_migration_mid_stream(server, want):
+def test_a_live_migration_mid_stream(server, want, mode):
     """First of the module: both workers serve (a killed one is replaced by a standby, not a worker)."""
     clients = start(server)
     records = []
@@ -268,7 +347,7 @@ def test_a_live_migration_mid_stream(server, want):
     finish(clients)
     for record in records:
         assert record["outcome"] == "committed" and record["from_worker"] != record["to_worker"], record
-    check(clients, want)
+    check(clients, want, mode.noise)
 
 
 def ready_standby(server: ServerProcess) -> None:
@@ -279,7 +358,7 @@ def ready_standby(server: ServerProcess) -> None:
     )
 
 
-def test_the_worker_killed_mid_stream(server, want):
+def test_the_worker_killed_mid_stream(server, want, mode):
     """Two kills: the first takes one worker's streams to the other, the second (once every stream went on
     past it) takes all of them to a promoted standby, so each stream has lived through a kill."""
     ready_standby(server)
@@ -301,16 +380,42 @@ def test_the_worker_killed_mid_stream(server, want):
     taken = {t["request"] for t in admin(server, "takeovers")}
     ids = [c.request_id if k == 0 else f"{c.request_id}-{k}" for c in clients for k in range(len(c.by_choice))]
     assert {request_tag(rid) for rid in ids} <= taken
-    check(clients, want)
+    check(clients, want, mode.noise)
 
 
-def test_the_router_killed_mid_stream(server, want):
+def test_the_router_killed_mid_stream(server, want, mode):
+    """The chat streams, and a Responses stream under the same JSON schema as the first of them."""
     (router,) = children_named(server.proc.pid, "steadfast.control.main")
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    fmt = {"type": "json_schema", "name": "readings", "schema": SCHEMA, "strict": True}
+    asked = {"model": model, "input": PROMPT, "max_output_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True}
+    responses = ResponsesClient(server.url, asked | {"text": {"format": fmt}})
+    responses.start()
     clients = start(server)
+    wait_until(lambda: len(responses.text) >= AT, 60, "the response's text")
     os.kill(router, signal.SIGKILL)
     wait_until(lambda: process_gone(router), 10, "the router to be gone")
     finish(clients)
+    responses.join(timeout=240)
     (restarted,) = children_named(server.proc.pid, "steadfast.control.main")
     assert restarted != router
-    assert all(c.reconnects >= 1 for c in clients)  # each stream really broke and came back
-    check(clients, want)
+    assert all(c.reconnects >= 1 for c in clients + [responses])  # each stream really broke and came back
+    check(clients, want, mode.noise)
+    # The response: its events numbered on through the break with none twice, its text the fault-free one.
+    assert responses.error is None and responses.done, responses.error
+    events = responses.events
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events if e["type"] != "response.output_text.delta"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    text = mode.model.tokenizer.decode(want[0][0][0])
+    assert responses.text == text == events[-1]["response"]["output"][0]["content"][0]["text"]
+    jsonschema.validate(json.loads(text), SCHEMA)

@@ -365,7 +365,7 @@ class EngineClient:
                 stale.in_flight.discard(rid)
                 await self.abort(stale, rid)
         assert request.resume is not None
-        request = Resumption.request(known, skip_until, request.resume.text_chars)
+        request = Resumption.request(known, skip_until, request.resume.text_chars, request.params)
         return await self._open(request, skip_until)
 
     def _given_up(self, rid: str, quiet: Quiet) -> RequestOutput:

@@ -96,11 +96,12 @@ class Resumption:
         return self._from_ledger(request_id)
 
     @staticmethod
-    def request(known: Known, have_tokens: int, have_chars: int) -> AddRequest:
-        """The request that continues a client holding `have_tokens` tokens and `have_chars` characters."""
+    def request(known: Known, have_tokens: int, have_chars: int, params: SamplingParams | None = None) -> AddRequest:
+        """The request that continues a client holding `have_tokens` tokens and `have_chars` characters
+        (`params`: in place of the known ones, e.g. asking the prompt's logprobs again)."""
         add = known.add
         resume = Resume(list(known.tokens[:have_tokens]), have_chars)
-        return AddRequest(add.request_id, add.prompt_ids, add.params, add.priority, resume=resume)
+        return AddRequest(add.request_id, add.prompt_ids, params or add.params, add.priority, resume=resume)
 
     def _from_ledger(self, request_id: str) -> Known:
         """The request's newest checkpoint among the nodes' ledgers (a request decoded on another

@@ -324,9 +324,11 @@ def create_app(
         def echo(index: int) -> str:
             return echoes[index // body.n] if echoes else ""  # (best_of's kept choices: n per prompt too)
 
-        def prompt_part(index: int) -> dict[str, Any] | None:
+        def prompt_part(index: int, p: Prepared | None = None) -> dict[str, Any] | None:
+            """The prompt's logprobs for choice `index`: its own where it scored the prompt (a resumed
+            choice), else its prompt's first choice's."""
             k = index // body.n
-            scores = admitted[k].prompt_logprobs
+            scores = admitted[k].prompt_logprobs if p is None or p.prompt_logprobs is None else p.prompt_logprobs
             return None if scores is None else prompt_logprobs(ctx.names, ids_of[k], scores)
 
         def choice(index: int, text: str, entries: list[Entry] | None, reason: str | None) -> dict[str, Any]:

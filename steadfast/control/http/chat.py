@@ -52,9 +52,10 @@ def check_messages(ctx: ServingContext, count: int) -> None:
 
 
 async def admit_chat(
-    ctx: ServingContext, body: ChatCompletionRequest, http: Request, prefix: str, resumable: bool = True
+    ctx: ServingContext, body: ChatCompletionRequest, http: Request, prefix: str, request_id: str = ""
 ) -> tuple[Prepared, Reader]:
-    """The chat admitted (a 4xx otherwise), and the tool-call reader of each of its choices."""
+    """The chat admitted (a 4xx otherwise), and the tool-call reader of each of its choices. `request_id`:
+    its id (by default a new one of `prefix`)."""
     body.priority = served_priority(body.priority, http)
     check_messages(ctx, len(body.messages))
     tools.check(body)
@@ -70,8 +71,7 @@ async def admit_chat(
     async def cut(cap: int) -> tuple[list[int], int]:
         return await ctx.off_loop(cut_chat, messages, cap, encode)
 
-    resumed = resumable and resuming(body, http)
-    prepared = await admit(ctx, body, ids, body.token_limit, prefix, cut, resumed)
+    prepared = await admit(ctx, body, ids, body.token_limit, prefix, cut, resuming(body, http), request_id)
     return prepared, tools.readers(body, prepared.request_id)
 
 

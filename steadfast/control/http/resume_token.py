@@ -72,11 +72,11 @@ def parse_event_id(event_id: str) -> ResumePoint:
     held = []
     for t, c in zip(token_items, char_items, strict=True):
         finished = many and t.endswith("+")
-        held.append(Held(_count(t[:-1] if finished else t), _count(c), finished))
+        held.append(Held(count(t[:-1] if finished else t), count(c), finished))
     return ResumePoint(request_id, token, tuple(held))
 
 
-def _count(text: str) -> int:
+def count(text: str) -> int:
     """A count of an event id; ValueError unless plain digits up to MAX_HELD (`int` would take a sign,
     spaces, underscores, other scripts' digits and any size)."""
     if _COUNT.fullmatch(text) is None or int(text) > MAX_HELD:

@@ -242,7 +242,12 @@ def reconnect(ctx: ServingContext, prepared: Prepared, n: int, last_event: str, 
                 param="Last-Event-ID",
                 code="request_not_found",
             ) from None
-        add = Resumption.request(known, held.tokens, held.chars)
+        params = known.add.params
+        asked = prepared.add.params.prompt_logprobs
+        if not held.tokens and asked >= 0 and params.prompt_logprobs < 0:
+            # (a choice that had not sent its echo scores the prompt itself: choice 0's went with its first)
+            params = msgspec.structs.replace(params, prompt_logprobs=asked)
+        add = Resumption.request(known, held.tokens, held.chars, params)
         resumed = Prepared(
             add.request_id,
             add.prompt_ids,
@@ -327,7 +332,7 @@ def stream_completion(
     ctx: ServingContext,
     served: Choices,
     echo: Callable[[int], str] | None = None,
-    prompt_part: Callable[[int], dict[str, Any] | None] = lambda _: None,
+    prompt_part: Callable[[int, Prepared], dict[str, Any] | None] = lambda *_: None,
     echo_only: bool = False,
 ) -> AsyncIterator[bytes]:
     """`echo`: each choice's prompt text, its first chunk (not counted in its resume points: a resumed
@@ -346,7 +351,7 @@ def stream_completion(
         lp = None if entries is None else completion_logprobs(ctx.names, entries, offset + len(shown))
         if scored and index not in echoed and not gen.p.have_tokens:
             echoed.add(index)
-            first = prompt_part(index)
+            first = prompt_part(index, gen.p)
             lp = joined(first, lp) if first is not None and lp is not None else lp
             text = shown + text
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
