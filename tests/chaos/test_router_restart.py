@@ -8,7 +8,6 @@ client already holds.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -19,6 +18,7 @@ import pytest
 
 from steadfast.ops.harness.chaos import children_named
 from steadfast.util.proc import process_gone
+from tests import sse
 from tests.chaos.test_crash_recovery import chat_body, reference, request_specs
 from tests.conftest import wait_until
 from tests.integration.server import ServerProcess
@@ -55,36 +55,23 @@ class ResumingStream(threading.Thread):
         last = None
         deadline = time.monotonic() + 240
         while self.finish is None and time.monotonic() < deadline:
-            headers = {"Last-Event-ID": last} if last else {}
-            pending = None
             try:
-                with httpx.stream(
-                    "POST", self.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
-                ) as r:
-                    if r.status_code != 200:
-                        r.read()
-                        if r.status_code < 500:
-                            self.error = f"{r.status_code}: {r.text}"
-                            return
-                        raise httpx.TransportError(f"status {r.status_code}")
-                    for line in r.iter_lines():
-                        if line.startswith("id: "):
-                            pending = line[4:]
-                        elif line.startswith("data: {"):
-                            chunk = json.loads(line[6:])
-                            if "error" in chunk:
-                                self.error = chunk["error"]["message"]
-                                return
-                            for choice in chunk["choices"]:
-                                self.tokens.extend(choice.get("token_ids", []))
-                                self.finish = choice.get("finish_reason") or self.finish
-                            if pending:
-                                last = pending
-                                self.counts.append(int(pending.split(":")[1]))
-                                pending = None
-                            if self.drop_at and len(self.tokens) >= self.drop_at:
-                                self.drop_at = 0
-                                break  # the client drops its own connection
+                for event_id, chunk in sse.events(self.url + "/v1/chat/completions", body, last):
+                    if "error" in chunk:
+                        self.error = chunk["error"]["message"]
+                        return
+                    for choice in chunk["choices"]:
+                        self.tokens.extend(choice.get("token_ids", []))
+                        self.finish = choice.get("finish_reason") or self.finish
+                    if event_id:
+                        last = event_id
+                        self.counts.append(int(event_id.split(":")[1]))
+                    if self.drop_at and len(self.tokens) >= self.drop_at:
+                        self.drop_at = 0
+                        break  # the client drops its own connection
+            except sse.Refused as exc:
+                self.error = str(exc)
+                return
             except httpx.TransportError:
                 time.sleep(0.2)  # the router is gone or not back yet
             if self.finish is None:
